@@ -1,0 +1,49 @@
+"""Install megatron-composer.
+
+On a machine without CUDA the CPU build of torch is pinned (`torch==2.13.0`);
+a CUDA machine keeps the torch it has. megatron-core is pinned to the one
+release whose internals `megatron_composer.platform.cpu` is checked against.
+"""
+import os
+import shutil
+
+from setuptools import find_packages, setup
+
+
+def _has_cuda() -> bool:
+    if os.environ.get("MEGATRON_COMPOSER_FORCE_CPU") == "1":
+        return False
+    return shutil.which("nvidia-smi") is not None or os.path.exists("/proc/driver/nvidia")
+
+
+TORCH = "torch>=2.6" if _has_cuda() else "torch==2.13.0"
+
+setup(
+    name="megatron-composer",
+    version="0.1.0",
+    description="Megatron-core trainer for the Composer 2 / 2.5 coding-model recipe "
+    "(MLA + MoE + MTP, CPT, long-context SFT, async agentic RL)",
+    long_description=open("README.md", encoding="utf-8").read() if os.path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_composer", "megatron_composer.*"]),
+    py_modules=["pretrain_cpt"],
+    install_requires=[
+        TORCH,
+        "megatron-core==0.16.1",
+        "numpy",
+        "einops",
+        "sentencepiece",
+        "safetensors",
+        "tensorboard",
+        "wandb",
+        "tqdm",
+    ],
+    extras_require={
+        "test": ["pytest", "transformers"],
+        # Never the PyPI package named `apex`: it is an unrelated project.
+        "gpu": ["transformer-engine[pytorch]"],
+        "rl": ["ray"],
+    },
+    entry_points={"console_scripts": ["megatron-composer-cpt=pretrain_cpt:main"]},
+)
