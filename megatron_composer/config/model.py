@@ -155,3 +155,22 @@ def count_parameters(c: ModelConfig) -> ParameterCount:
     # a final norm; it shares the embedding and output head with the model.
     mtp_layer = 2 * h + 2 * h * h + moe_total + h
     return ParameterCount(total=total, active=active, mtp=c.mtp_num_layers * mtp_layer)
+
+
+def training_flops_per_token(c: ModelConfig, seq_length: int) -> float:
+    """Model FLOPs of one training token (forward + backward = 3x forward).
+
+    Matmul FLOPs are 2 per active weight that a token multiplies (the
+    embedding lookup is not a matmul); causal attention adds QK^T and AV over
+    an average context of seq_length / 2 per layer (MTP layers included).
+    """
+    params = count_parameters(c)
+    matmul_weights = params.active - c.vocab_size * c.hidden_size - c.hidden_size
+    if c.mtp_num_layers:
+        # an MTP module: eh_proj + one MoE layer with top-k experts
+        moe_active = _attention_params(c) + _moe_params(c, c.moe_router_topk)
+        matmul_weights += c.mtp_num_layers * (2 * c.hidden_size**2 + moe_active)
+    layers = c.num_layers + c.mtp_num_layers
+    qk = c.qk_head_dim + c.qk_pos_emb_head_dim
+    attention = 2 * c.num_attention_heads * (qk + c.v_head_dim) * (seq_length / 2) * layers
+    return 3.0 * (2.0 * matmul_weights + attention)

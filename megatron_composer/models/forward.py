@@ -1,0 +1,61 @@
+"""One forward pass that returns main and MTP logits.
+
+`GPTModel.forward` computes the MTP loss itself (plain cross-entropy on
+shifted labels, attached to the hidden states), so its MTP logits never
+leave the model. The Composer recipe trains MTP by self-distillation toward
+the main head, which needs both distributions. `composer_forward` runs the
+same modules in the same order as `GPTModel.forward` (embedding -> decoder
+-> MTP block -> shared output layer) and returns the logits of every head.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+
+
+def unwrap(model):
+    """The GPTModel inside DDP / FSDP / Float16 wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def composer_forward(
+    model,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    packed_seq_params: Optional[PackedSeqParams] = None,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Run the model.
+
+    Args:
+        model: a GPTModel built by `build_model` (wrappers are unwrapped).
+        input_ids: [b, s] int64.
+        position_ids: [b, s] int64 (MLA derives RoPE positions itself; kept for
+            the embedding interface).
+        packed_seq_params: "thd" packing with b == 1, or None.
+    Returns:
+        (logits [b, s, vocab], [mtp_logits [b, s, vocab] for each MTP depth]).
+        MTP depth k at position t predicts token t + k + 1.
+    """
+    gpt = unwrap(model)
+    hidden = gpt.embedding(input_ids=input_ids, position_ids=position_ids)
+    hidden = gpt.decoder(hidden_states=hidden, attention_mask=None, packed_seq_params=packed_seq_params)
+    depth = gpt.config.mtp_num_layers or 0
+    if depth:
+        hidden = gpt.mtp(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            hidden_states=hidden,
+            attention_mask=None,
+            packed_seq_params=packed_seq_params,
+            embedding=gpt.embedding,
+        )
+    weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights else None
+    heads = []
+    for h in torch.chunk(hidden, 1 + depth, dim=0):
+        logits, _ = gpt.output_layer(h, weight=weight, runtime_gather_output=True)
+        heads.append(logits.transpose(0, 1).float())  # [s, b, v] -> [b, s, v]
+    return heads[0], heads[1:]

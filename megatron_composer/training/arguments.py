@@ -1,0 +1,185 @@
+"""Command line of `pretrain_cpt.py`, with Megatron-LM's flag names.
+
+Flags that Megatron-LM has keep its names and meanings (`--seq-length`,
+`--micro-batch-size`, `--expert-model-parallel-size`, ...). Model-shape flags
+override fields of the `--model-preset`. The `--stage` fills in what the
+stage decides (sequence length, data, losses) unless given explicitly.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+from ..config import PRESETS, ModelConfig, get_preset
+
+
+@dataclass(frozen=True)
+class Stage:
+    """What a training stage decides, at full scale."""
+
+    name: str
+    seq_length: int
+    data: str  # "cpt" (plain text) or "sft" (chat, loss on assistant tokens)
+    context_parallel_size: int  # the recipe's CP for this stage on a cluster
+    description: str
+
+
+STAGES = {
+    "cpt-32k": Stage("cpt-32k", 32768, "cpt", 1, "continued pretraining on code at 32K"),
+    "cpt-256k": Stage("cpt-256k", 262144, "cpt", 8, "long-context extension to 256K"),
+    "sft": Stage("sft", 32768, "sft", 1, "short SFT on coding tasks (loss on assistant tokens)"),
+}
+
+# The tiny CPU preset keeps each stage's shape with lengths divided by 64.
+TINY_LENGTH_DIVISOR = 64
+
+# Model flags: CLI name -> ModelConfig field.
+_MODEL_FLAGS = {
+    "num_layers": int,
+    "hidden_size": int,
+    "ffn_hidden_size": int,
+    "num_attention_heads": int,
+    "q_lora_rank": int,
+    "kv_lora_rank": int,
+    "qk_head_dim": int,
+    "qk_pos_emb_head_dim": int,
+    "v_head_dim": int,
+    "num_experts": int,
+    "moe_ffn_hidden_size": int,
+    "moe_router_topk": int,
+    "moe_shared_expert_intermediate_size": int,
+    "moe_router_num_groups": int,
+    "moe_router_group_topk": int,
+    "moe_router_topk_scaling_factor": float,
+    "first_k_dense_layers": int,
+    "mtp_num_layers": int,
+    "rotary_base": float,
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pretrain_cpt.py",
+        description="Composer CPT / long-context / SFT training on megatron-core.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g = p.add_argument_group("stage and model")
+    g.add_argument("--stage", choices=sorted(STAGES), default="cpt-32k")
+    g.add_argument("--model-preset", default="tiny", help=f"one of {', '.join(PRESETS)}")
+    for name, typ in _MODEL_FLAGS.items():
+        g.add_argument("--" + name.replace("_", "-"), type=typ, default=None,
+                       help=f"override the preset's {name}")
+    g.add_argument("--bf16", action="store_true", help="bf16 parameters and compute")
+
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", default=None,
+                   help="indexed dataset prefix (.bin/.idx) for CPT, or chat JSONL for SFT; "
+                        "default: the embedded Python-stdlib corpus")
+    g.add_argument("--valid-data-path", default=None, help="held-out data (same format)")
+    g.add_argument("--tokenizer-model", default=None, help="sentencepiece .model")
+    g.add_argument("--data-cache-dir", default="data",
+                   help="where the embedded corpus is tokenized and cached")
+    g.add_argument("--seq-length", type=int, default=None, help="default: set by --stage")
+    g.add_argument("--reset-attention-mask", action="store_true",
+                   help="attend within each packed document only (cu_seqlens)")
+    g.add_argument("--pad-to-multiple", action="store_true",
+                   help="pad sequences to a multiple of 2*CP instead of refusing them")
+
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=4)
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="default: micro-batch-size x data-parallel size")
+    g.add_argument("--train-iters", type=int, default=100)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--optimizer", choices=["adam", "muon"], default="adam")
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--min-lr", type=float, default=1e-4)
+    g.add_argument("--lr-warmup-iters", type=int, default=10)
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    g.add_argument("--lr-decay-style", choices=["cosine", "linear", "constant"], default="cosine")
+    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.95)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--muon-momentum", type=float, default=0.95)
+    g.add_argument("--muon-nesterov", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--muon-ns-steps", type=int, default=5)
+    g.add_argument("--muon-adjust-lr", choices=["original", "match_rms_adamw"],
+                   default="match_rms_adamw")
+    g.add_argument("--muon-granularity", choices=["matrix", "head"], default="head",
+                   help="orthogonalize whole matrices or per attention head / per expert")
+    g.add_argument("--mtp-loss", choices=["self-distill", "ce"], default="self-distill",
+                   help="MTP objective: distill the main head (Composer) or plain CE (DeepSeek-V3)")
+    g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1)
+    g.add_argument("--mtp-freeze-trunk", action="store_true",
+                   help="train only the MTP modules (MTP added to a mid-CPT checkpoint)")
+
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--expert-model-parallel-size", type=int, default=1)
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=1)
+
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None, help="checkpoint directory to write")
+    g.add_argument("--load", default=None, help="checkpoint directory to resume from")
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--finetune", action="store_true",
+                   help="load weights only and restart iteration count, data and optimizer")
+
+    g = p.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument("--eval-interval", type=int, default=None)
+    g.add_argument("--eval-iters", type=int, default=4)
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--wandb-project", default=None, help="enables wandb (offline unless WANDB_MODE)")
+    g.add_argument("--wandb-exp-name", default=None)
+    g.add_argument("--wandb-save-dir", default=None)
+    return p
+
+
+def model_config_from_args(args) -> ModelConfig:
+    cfg = get_preset(args.model_preset)
+    overrides = {k: getattr(args, k) for k in _MODEL_FLAGS if getattr(args, k, None) is not None}
+    if overrides:
+        cfg = dataclasses.replace(cfg, **overrides)
+    cfg.validate()
+    return cfg
+
+
+def stage_seq_length(args) -> int:
+    stage = STAGES[args.stage]
+    if args.model_preset == "tiny":
+        return stage.seq_length // TINY_LENGTH_DIVISOR
+    return stage.seq_length
+
+
+def parse_args(argv: Optional[list[str]] = None):
+    """Parse and validate; raise SystemExit with a message naming the bad value."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.model_preset not in PRESETS:
+        parser.error(f"unknown --model-preset {args.model_preset!r}; choose one of: {', '.join(PRESETS)}")
+    if args.seq_length is None:
+        args.seq_length = stage_seq_length(args)
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    for name in ("micro_batch_size", "train_iters", "seq_length", "tensor_model_parallel_size",
+                 "context_parallel_size", "expert_model_parallel_size"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.pipeline_model_parallel_size != 1:
+        parser.error("--pipeline-model-parallel-size > 1 is not supported; the recipe uses "
+                     "CP x EP x FSDP instead of PP")
+    if args.min_lr > args.lr:
+        parser.error(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
+    try:
+        model_config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return args

@@ -1,0 +1,65 @@
+"""Training logs: Megatron-format stdout lines, TensorBoard, and wandb (offline by default)."""
+from __future__ import annotations
+
+import os
+import time
+from typing import Optional
+
+
+def megatron_line(iteration: int, train_iters: int, metrics: dict) -> str:
+    """One log line in Megatron-LM's `training_log` format."""
+    parts = [f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {iteration:8d}/{train_iters:8d}"]
+    for key, value in metrics.items():
+        if isinstance(value, float):
+            text = f"{value:.6E}" if key.endswith("loss") or key == "learning rate" else f"{value:.3f}"
+        else:
+            text = str(value)
+        parts.append(f"{key}: {text}")
+    return " | ".join(parts) + " |"
+
+
+class TrainingLogger:
+    """Writes metrics to stdout (rank 0), TensorBoard and wandb when configured."""
+
+    def __init__(self, rank: int, tensorboard_dir: Optional[str] = None, wandb_project: Optional[str] = None,
+                 wandb_name: Optional[str] = None, wandb_dir: Optional[str] = None, config: Optional[dict] = None):
+        self.rank = rank
+        self.tb = None
+        self.wandb = None
+        if rank != 0:
+            return
+        if tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(log_dir=tensorboard_dir)
+        if wandb_project:
+            os.environ.setdefault("WANDB_MODE", "offline")  # no account or network needed
+            import wandb
+
+            self.wandb = wandb.init(project=wandb_project, name=wandb_name, dir=wandb_dir,
+                                    config=config or {}, reinit=True)
+
+    def print(self, *args) -> None:
+        if self.rank == 0:
+            print(*args, flush=True)
+
+    def log(self, iteration: int, train_iters: int, line_metrics: dict, scalars: dict) -> None:
+        if self.rank != 0:
+            return
+        print(megatron_line(iteration, train_iters, line_metrics), flush=True)
+        self.scalars(iteration, scalars)
+
+    def scalars(self, iteration: int, scalars: dict) -> None:
+        if self.rank != 0:
+            return
+        for key, value in scalars.items():
+            if self.tb is not None:
+                self.tb.add_scalar(key, value, iteration)
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=iteration)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()

@@ -1,0 +1,320 @@
+"""The training loop shared by CPT, long-context CPT and SFT.
+
+One optimizer step:
+  1. read this DP rank's micro-batches for the global batch (deterministic
+     in the number of consumed samples, so a resumed run reads the same data);
+  2. count the loss tokens of the whole global batch (one all-reduce), so the
+     loss is a per-token mean that does not depend on how the batch is split;
+  3. forward/backward each micro-batch: LM loss + MTP loss (self-distillation
+     toward the main head, or CE);
+  4. megatron-core `finalize_model_grads`: DP/EP gradient reduction and the
+     aux-loss-free expert-bias update;
+  5. gradient norm (dense + expert shards), NaN/Inf guard (skip the update),
+     clipping, optimizer step with the scheduled LR.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+from ..config.model import ModelConfig, count_parameters, training_flops_per_token
+from ..models import ParallelSizes, build_model, composer_forward
+from ..models.forward import unwrap
+from .batches import Batch, collate, micro_batch_indices
+from .losses import lm_loss, mtp_cross_entropy_loss, mtp_self_distillation_loss, mtp_valid_mask
+from .schedule import learning_rate
+
+
+@dataclass
+class StepResult:
+    lm_loss: float
+    mtp_loss: float
+    grad_norm: float
+    tokens: int
+    skipped: bool
+    lr: float
+    seconds: float
+
+
+@dataclass
+class TrainState:
+    iteration: int = 0
+    consumed_samples: int = 0
+    skipped_iterations: int = 0
+    history: list = field(default_factory=list)
+
+
+def initialize_parallel(parallel: ParallelSizes, seed: int) -> None:
+    """megatron-core parallel state for these sizes (idempotent for the same sizes)."""
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    world = dist.get_world_size()
+    model_parallel = (
+        parallel.tensor_model_parallel_size
+        * parallel.context_parallel_size
+        * parallel.pipeline_model_parallel_size
+    )
+    if world % model_parallel:
+        raise ValueError(
+            f"world size {world} is not divisible by TP x CP x PP = {model_parallel}; "
+            "launch a multiple of that many ranks"
+        )
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
+        expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
+    )
+    model_parallel_cuda_manual_seed(seed)
+    torch.manual_seed(seed)
+
+
+def is_no_decay(name: str, param: torch.Tensor) -> bool:
+    """Norm weights, biases and 1-D tensors take no weight decay (Megatron's rule)."""
+    return param.ndim < 2 or name.endswith(".bias")
+
+
+def build_adamw(model, lr: float, weight_decay: float, betas=(0.9, 0.95), eps: float = 1e-8,
+                params: Optional[list] = None) -> torch.optim.AdamW:
+    named = [(n, p) for n, p in unwrap(model).named_parameters() if p.requires_grad]
+    if params is not None:
+        wanted = {id(p) for p in params}
+        named = [(n, p) for n, p in named if id(p) in wanted]
+    decay = [p for n, p in named if not is_no_decay(n, p)]
+    no_decay = [p for n, p in named if is_no_decay(n, p)]
+    groups = [g for g in (
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ) if g["params"]]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
+
+
+def grad_norm(params) -> torch.Tensor:
+    """Global L2 norm of the reduced gradients.
+
+    Dense gradients are identical on every DP rank after the reduction and
+    count once; expert gradients are sharded over EP ranks and are summed
+    over the expert-model-parallel group; tensor-parallel shards over TP.
+    """
+    dense_rep = torch.zeros((), dtype=torch.float64)
+    dense_tp = torch.zeros((), dtype=torch.float64)
+    expert = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        g = _grad(p)
+        if g is None:
+            continue
+        sq = g.detach().double().pow(2).sum().cpu()
+        if not getattr(p, "allreduce", True):
+            expert += sq
+        elif getattr(p, "tensor_model_parallel", False):
+            dense_tp += sq
+        else:
+            dense_rep += sq
+    if dist.is_initialized():
+        if parallel_state.get_tensor_model_parallel_world_size() > 1:
+            dist.all_reduce(dense_tp, group=parallel_state.get_tensor_model_parallel_group())
+        if parallel_state.get_expert_model_parallel_world_size() > 1 or \
+                parallel_state.get_expert_tensor_parallel_world_size() > 1:
+            dist.all_reduce(expert, group=parallel_state.get_expert_tensor_and_model_parallel_group())
+    return (dense_rep + dense_tp + expert).sqrt()
+
+
+def _grad(p):
+    return getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None else p.grad
+
+
+class Trainer:
+    """Owns the model, optimizer and data of one run; `step()` does one update."""
+
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        parallel: ParallelSizes,
+        dataset,
+        *,
+        seq_length: int,
+        micro_batch_size: int,
+        global_batch_size: Optional[int] = None,
+        lr: float = 1e-3,
+        min_lr: float = 1e-4,
+        warmup_iters: int = 0,
+        decay_iters: int = 100,
+        decay_style: str = "cosine",
+        weight_decay: float = 0.1,
+        betas=(0.9, 0.95),
+        eps: float = 1e-8,
+        clip_grad: float = 1.0,
+        seed: int = 1234,
+        params_dtype: torch.dtype = torch.float32,
+        mtp_loss: str = "self-distill",
+        mtp_loss_scaling_factor: float = 0.1,
+        mtp_freeze_trunk: bool = False,
+        reset_attention_mask: bool = False,
+        optimizer_factory: Optional[Callable] = None,
+        batch_transform: Optional[Callable] = None,
+    ):
+        initialize_parallel(parallel, seed)
+        self.model_cfg = model_cfg
+        self.parallel = parallel
+        self.dataset = dataset
+        self.seq_length = seq_length
+        self.micro_batch_size = micro_batch_size
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.global_batch_size = global_batch_size or micro_batch_size * self.dp_size
+        micro_batch_indices(0, self.global_batch_size, micro_batch_size, 0, self.dp_size)  # validate
+        self.schedule = dict(lr=lr, min_lr=min_lr, warmup_iters=warmup_iters,
+                             decay_iters=decay_iters, style=decay_style)
+        self.clip_grad = clip_grad
+        self.mtp_loss = mtp_loss
+        self.mtp_scale = mtp_loss_scaling_factor
+        self.reset_attention_mask = reset_attention_mask
+        self.batch_transform = batch_transform
+
+        gpt = build_model(model_cfg, parallel, params_dtype=params_dtype, seq_length=seq_length,
+                          calculate_per_token_loss=True)
+        if mtp_freeze_trunk:
+            if not model_cfg.mtp_num_layers:
+                raise ValueError("--mtp-freeze-trunk needs --mtp-num-layers >= 1")
+            for name, p in gpt.named_parameters():
+                p.requires_grad_(name.startswith("mtp."))
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+        )
+        self.model = DistributedDataParallel(config=gpt.config, ddp_config=ddp_config, module=gpt)
+        self.params = [p for p in gpt.parameters() if p.requires_grad]
+        if optimizer_factory is None:
+            self.optimizer = build_adamw(self.model, lr, weight_decay, betas, eps)
+        else:
+            self.optimizer = optimizer_factory(self.model)
+        self.state = TrainState()
+        self.flops_per_token = training_flops_per_token(model_cfg, seq_length)
+        self.param_count = count_parameters(model_cfg)
+
+    # ---- data ---------------------------------------------------------------
+    def micro_batches(self, consumed_samples: int) -> list[Batch]:
+        n = len(self.dataset)
+        batches = []
+        for indices in micro_batch_indices(consumed_samples, self.global_batch_size,
+                                           self.micro_batch_size, self.dp_rank, self.dp_size):
+            batch = collate([self.dataset[i % n] for i in indices], self.reset_attention_mask)
+            batches.append(self.batch_transform(batch) if self.batch_transform else batch)
+        return batches
+
+    # ---- losses -------------------------------------------------------------
+    def losses(self, batch: Batch):
+        """(lm loss sum, lm tokens, mtp loss sum, mtp positions) of one micro-batch."""
+        logits, mtp_logits = composer_forward(
+            self.model, batch.tokens, batch.position_ids, batch.packed_seq_params
+        )
+        lm_sum, lm_tokens = lm_loss(logits, batch.labels, batch.loss_mask)
+        mtp_sum = torch.zeros(())
+        mtp_count = torch.zeros(())
+        for depth, head in enumerate(mtp_logits, start=1):
+            if self.mtp_loss == "self-distill":
+                s, c = mtp_self_distillation_loss(head, logits, batch.loss_mask, depth, batch.segment_ids)
+            else:
+                s, c = mtp_cross_entropy_loss(head, batch.labels, batch.loss_mask, depth, batch.segment_ids)
+            mtp_sum = mtp_sum + s
+            mtp_count = mtp_count + c
+        return lm_sum, lm_tokens, mtp_sum, mtp_count
+
+    def _global_counts(self, batches: list[Batch]) -> torch.Tensor:
+        depth = self.model_cfg.mtp_num_layers
+        counts = torch.zeros(2, dtype=torch.float64)
+        for b in batches:
+            counts[0] += b.loss_mask.sum()
+            for k in range(1, depth + 1):
+                counts[1] += mtp_valid_mask(b.loss_mask, k, b.segment_ids).sum()
+        if dist.is_initialized():
+            dist.all_reduce(counts, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+        return counts
+
+    # ---- one update ---------------------------------------------------------
+    def step(self) -> StepResult:
+        start = time.perf_counter()
+        st = self.state
+        self.model.train()
+        batches = self.micro_batches(st.consumed_samples)
+        counts = self._global_counts(batches)
+        lm_total, mtp_total = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+        self.model.zero_grad_buffer()
+        for p in self.params:
+            p.grad = None
+        n_lm = max(counts[0].item(), 1.0)
+        n_mtp = max(counts[1].item(), 1.0)
+        for batch in batches:
+            lm_sum, _, mtp_sum, _ = self.losses(batch)
+            loss = lm_sum / n_lm
+            if mtp_sum.requires_grad:
+                loss = loss + self.mtp_scale * mtp_sum / n_mtp
+            loss.backward()
+            lm_total += lm_sum.detach().double()
+            mtp_total += mtp_sum.detach().double()
+        finalize_model_grads([self.model])
+        totals = torch.stack([lm_total, mtp_total])
+        if dist.is_initialized():
+            dist.all_reduce(totals, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+        norm = grad_norm(self.params).item()
+        lr = learning_rate(st.iteration, **self.schedule)
+        skipped = not math.isfinite(norm)
+        if not skipped:
+            for p in self.params:
+                p.grad = _grad(p)
+                if p.grad is not None and p.grad.dtype != p.dtype:
+                    p.grad = p.grad.to(p.dtype)
+            if self.clip_grad and norm > self.clip_grad:
+                scale = self.clip_grad / (norm + 1e-6)
+                for p in self.params:
+                    if p.grad is not None:
+                        p.grad.mul_(scale)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr * group.get("lr_mult", 1.0)
+            self.optimizer.step()
+        else:
+            st.skipped_iterations += 1
+        for p in self.params:
+            p.grad = None
+        tokens = self.global_batch_size * self.seq_length
+        st.iteration += 1
+        st.consumed_samples += self.global_batch_size
+        result = StepResult(
+            lm_loss=(totals[0] / n_lm).item(),
+            mtp_loss=(totals[1] / n_mtp).item() if counts[1] > 0 else 0.0,
+            grad_norm=norm,
+            tokens=tokens,
+            skipped=skipped,
+            lr=lr,
+            seconds=time.perf_counter() - start,
+        )
+        st.history.append(result.lm_loss)
+        return result
+
+    @torch.no_grad()
+    def evaluate(self, dataset, iters: int) -> float:
+        """Per-token LM loss on `iters` global batches of `dataset` (from its start)."""
+        self.model.eval()
+        saved, self.dataset = self.dataset, dataset
+        total = torch.zeros(2, dtype=torch.float64)
+        try:
+            for i in range(iters):
+                for batch in self.micro_batches(i * self.global_batch_size):
+                    s, c, _, _ = self.losses(batch)
+                    total += torch.stack([s.double(), c.double()])
+        finally:
+            self.dataset = saved
+            self.model.train()
+        if dist.is_initialized():
+            dist.all_reduce(total, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+        return (total[0] / total[1].clamp(min=1)).item()

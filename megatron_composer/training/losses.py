@@ -1,0 +1,97 @@
+"""Loss plug-ins for the shared training loop.
+
+Every loss returns a *sum* over tokens and the number of tokens it covers,
+so the loop can normalize by the token count of the whole global batch
+(exact under any split into micro-batches and data-parallel ranks).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor):
+    """Next-token cross-entropy.
+
+    Args:
+        logits: [b, s, v] float.
+        labels: [b, s] int64 (the token each position predicts).
+        loss_mask: [b, s] float, 1 where the token counts.
+    Returns:
+        (sum of masked losses: scalar, number of counted tokens: scalar).
+    """
+    per_token = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none")
+    mask = loss_mask.flatten().float()
+    return (per_token * mask).sum(), mask.sum()
+
+
+def mtp_valid_mask(
+    loss_mask: torch.Tensor, depth: int, segment_ids: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """Where MTP depth `depth` (1-based) has a target: positions t with t+depth
+    inside the sample, in the same document, and a counted label at t+depth.
+
+    Args:
+        loss_mask: [b, s] float.
+        depth: k >= 1.
+        segment_ids: [b, s] int document index per token, or None (one document).
+    Returns:
+        [b, s] float.
+    """
+    b, s = loss_mask.shape
+    valid = torch.zeros_like(loss_mask, dtype=torch.float32)
+    if depth >= s:
+        return valid
+    ok = loss_mask[:, depth:].float()
+    if segment_ids is not None:
+        ok = ok * (segment_ids[:, depth:] == segment_ids[:, :-depth]).float()
+    valid[:, : s - depth] = ok
+    return valid
+
+
+def mtp_self_distillation_loss(
+    mtp_logits: torch.Tensor,
+    main_logits: torch.Tensor,
+    loss_mask: torch.Tensor,
+    depth: int,
+    segment_ids: Optional[torch.Tensor] = None,
+):
+    """MTP self-distillation: the MTP head at position t learns the main head's
+    distribution for the same target token (the main head at t + depth), with
+    the teacher detached. Per position: KL(teacher || student).
+
+    Args:
+        mtp_logits: [b, s, v] student logits of MTP depth `depth`.
+        main_logits: [b, s, v] main-head logits (teacher; gradient stopped here).
+        loss_mask: [b, s] float, the main loss mask.
+        depth: 1-based MTP depth.
+        segment_ids: optional [b, s] document ids for packed samples.
+    Returns:
+        (sum of per-position KL, number of positions).
+    """
+    valid = mtp_valid_mask(loss_mask, depth, segment_ids)
+    s = main_logits.shape[1]
+    teacher = torch.zeros_like(main_logits, dtype=torch.float32)
+    teacher[:, : s - depth] = main_logits[:, depth:].detach().float()
+    log_t = F.log_softmax(teacher, dim=-1)
+    log_s = F.log_softmax(mtp_logits.float(), dim=-1)
+    kl = (log_t.exp() * (log_t - log_s)).sum(-1)
+    return (kl * valid).sum(), valid.sum()
+
+
+def mtp_cross_entropy_loss(
+    mtp_logits: torch.Tensor,
+    labels: torch.Tensor,
+    loss_mask: torch.Tensor,
+    depth: int,
+    segment_ids: Optional[torch.Tensor] = None,
+):
+    """DeepSeek-V3's MTP loss: cross-entropy on the token `depth` further ahead."""
+    valid = mtp_valid_mask(loss_mask, depth, segment_ids)
+    s = labels.shape[1]
+    shifted = torch.zeros_like(labels)
+    shifted[:, : s - depth] = labels[:, depth:]
+    per_token = F.cross_entropy(mtp_logits.flatten(0, 1).float(), shifted.flatten(), reduction="none")
+    return (per_token * valid.flatten()).sum(), valid.sum()
