@@ -9,7 +9,7 @@ source of truth: `SHIMS` is built from it and `apply_cpu_shims` walks it.
 | shim | megatron-core call site (0.16.1) | why it breaks on CPU | replacement |
 |---|---|---|---|
 | current_device | `torch.cuda.current_device()` in RoPE, router, MoE utils, DDP buffers | CUDA not compiled in | returns `torch.device("cpu")` |
-| cuda_rng_state | `tensor_parallel.random` CUDA RNG tracker (`get/set_rng_state`, `manual_seed`) | CUDA RNG absent | forwards to the CPU generator |
+| cuda_rng_state | `tensor_parallel.random` CUDA RNG tracker (`get/set_rng_state`, `manual_seed`) | CUDA RNG absent | the CPU default generator plays the CUDA generator (seed, fork and restore keep their semantics) |
 | streams | `torch.cuda.Stream/stream/current_stream/Event`: alltoall dispatcher DtoH stream, DDP overlap | no CUDA streams | no-op stream/event objects (CPU ops are synchronous) |
 | synchronize | `torch.cuda.synchronize()` (timers, dist-checkpoint async writer) | CUDA absent | no-op |
 | memory_stats | `torch.cuda.memory_allocated/max_memory_allocated/...` (memory reports) | CUDA absent | report 0 |
@@ -124,16 +124,26 @@ def _shim_current_device():
 
 
 def _shim_cuda_rng_state():
-    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
-    torch.cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
-    torch.cuda.manual_seed = lambda seed: None
-    torch.cuda.manual_seed_all = lambda seed: None
-    # megatron's tracker calls the private `_set_rng_state` wrapper directly.
+    # The "CUDA generator" becomes the CPU default generator, so megatron's
+    # RNG tracker (seed, fork, restore) keeps its exact semantics.
+    def get_state(device="cuda"):
+        return torch.get_rng_state()
+
+    def set_state(new_state, device="cuda"):
+        torch.set_rng_state(new_state)
+
+    def manual_seed(seed):
+        # not torch.manual_seed: it calls torch.cuda.manual_seed_all itself
+        torch.default_generator.manual_seed(int(seed))
+
+    for module in (torch.cuda, torch.cuda.random):
+        module.get_rng_state = get_state
+        module.set_rng_state = set_state
+        module.manual_seed = manual_seed
+        module.manual_seed_all = manual_seed
     from megatron.core.tensor_parallel import random as mrandom
 
-    mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(
-        new_state
-    )
+    mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: set_state(new_state)
 
 
 def _shim_streams():

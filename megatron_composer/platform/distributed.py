@@ -5,7 +5,7 @@ Rank discovery, in order:
 2. Slurm (one task per GPU via `srun`): SLURM_PROCID, SLURM_NTASKS,
    SLURM_LOCALID; the master address is the first host of
    SLURM_JOB_NODELIST (or MASTER_ADDR if set), port MASTER_PORT or 29500.
-3. Neither: a single process (rank 0 of 1) on a free local port.
+3. Neither: a single process (rank 0 of 1) with an in-memory store (no port).
 
 The backend is NCCL when CUDA is available and gloo otherwise; on CPU the
 megatron-core shims of `platform.cpu` are applied before any model is built.
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -55,12 +54,6 @@ def _first_slurm_host(nodelist: str) -> str:
     return prefix + start
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _int_env(env, name: str) -> int:
     value = env[name]
     try:
@@ -91,7 +84,7 @@ def discover_env(env=None) -> DistEnv:
             master_port=int(env.get("MASTER_PORT", "29500")),
             launcher="slurm",
         )
-    return DistEnv(0, 1, 0, "127.0.0.1", int(env.get("MASTER_PORT", 0)) or _free_port(), "single")
+    return DistEnv(0, 1, 0, "127.0.0.1", 0, "single")
 
 
 def init_distributed(timeout_minutes: int = 30) -> DistEnv:
@@ -106,7 +99,13 @@ def init_distributed(timeout_minutes: int = 30) -> DistEnv:
         apply_cpu_shims()
     else:
         torch.cuda.set_device(env.local_rank)
-    if not dist.is_initialized():
+    if not dist.is_initialized() and env.launcher == "single":
+        # One process needs no rendezvous: an in-memory store, no port to race for.
+        dist.init_process_group(
+            backend=env.backend, store=dist.HashStore(), rank=0, world_size=1,
+            timeout=timedelta(minutes=timeout_minutes),
+        )
+    elif not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", env.master_addr)
         os.environ.setdefault("MASTER_PORT", str(env.master_port))
         dist.init_process_group(

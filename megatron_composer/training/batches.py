@@ -11,6 +11,8 @@ from typing import Optional
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from ..data.datasets import collate_packed
+
 
 @dataclass
 class Batch:
@@ -59,36 +61,19 @@ def collate(samples: list[dict], reset_attention_mask: bool = False) -> Batch:
     "thd" sequence [1, b*s] whose cu_seqlens are every sample's documents, so
     each document attends only to itself.
     """
-    tokens = torch.stack([s["tokens"] for s in samples])
-    labels = torch.stack([s["labels"] for s in samples])
-    loss_mask = torch.stack([s["loss_mask"] for s in samples]).float()
-    position_ids = torch.stack([s["position_ids"] for s in samples])
-    seq = tokens.shape[1]
-    segments = torch.stack(
-        [segment_ids_from_cu_seqlens(s["cu_seqlens"], seq) for s in samples]
-    )
+    batch = collate_packed(samples)
+    b, seq = batch["tokens"].shape
+    cu_seqlens = batch["cu_seqlens"]
+    # document index of every token over the flattened batch, then per row
+    segments = segment_ids_from_cu_seqlens(cu_seqlens, b * seq).reshape(b, seq)
+    fields = [batch[k] for k in ("tokens", "labels", "loss_mask", "position_ids")]
     if not reset_attention_mask:
-        return Batch(tokens, labels, loss_mask, position_ids, segments)
-    offsets, bounds, doc_base = 0, [0], 0
-    for sample, seg in zip(samples, segments):
-        cu = sample["cu_seqlens"].long().tolist()
-        bounds.extend(offsets + c for c in cu[1:])
-        offsets += seq
-    cu_seqlens = torch.tensor(bounds, dtype=torch.int32)
-    flat_segments = segment_ids_from_cu_seqlens(cu_seqlens, offsets)
-    max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        return Batch(*fields, segments)
     params = PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu_seqlens,
         cu_seqlens_kv=cu_seqlens,
-        max_seqlen_q=max_len,
-        max_seqlen_kv=max_len,
+        max_seqlen_q=batch["max_seqlen"],
+        max_seqlen_kv=batch["max_seqlen"],
     )
-    return Batch(
-        tokens.reshape(1, -1),
-        labels.reshape(1, -1),
-        loss_mask.reshape(1, -1),
-        position_ids.reshape(1, -1),
-        flat_segments.unsqueeze(0),
-        params,
-    )
+    return Batch(*(f.reshape(1, -1) for f in fields), segments.reshape(1, -1), params)

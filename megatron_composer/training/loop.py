@@ -27,9 +27,11 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
+from ..data.datasets import epoch_index
 from ..config.model import ModelConfig, count_parameters, training_flops_per_token
 from ..models import ParallelSizes, build_model, composer_forward
 from ..models.forward import unwrap
+from ..parallel import ParallelLayout, ZigzagLayout, cp_shift_left, shift_left, zigzag_batch
 from .batches import Batch, collate, micro_batch_indices
 from .losses import lm_loss, mtp_cross_entropy_loss, mtp_self_distillation_loss, mtp_valid_mask
 from .schedule import learning_rate
@@ -54,28 +56,12 @@ class TrainState:
     history: list = field(default_factory=list)
 
 
-def initialize_parallel(parallel: ParallelSizes, seed: int) -> None:
-    """megatron-core parallel state for these sizes (idempotent for the same sizes)."""
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    world = dist.get_world_size()
-    model_parallel = (
-        parallel.tensor_model_parallel_size
-        * parallel.context_parallel_size
-        * parallel.pipeline_model_parallel_size
-    )
-    if world % model_parallel:
-        raise ValueError(
-            f"world size {world} is not divisible by TP x CP x PP = {model_parallel}; "
-            "launch a multiple of that many ranks"
-        )
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
-        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
-        context_parallel_size=parallel.context_parallel_size,
-        expert_model_parallel_size=parallel.expert_model_parallel_size,
-        expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
-    )
+def initialize_parallel(parallel: ParallelSizes, seed: int,
+                        num_experts: Optional[int] = None) -> ParallelLayout:
+    """megatron-core parallel state for these sizes, through the validated
+    dense/expert `ParallelLayout` (replaces any previous state); returns the layout."""
+    layout = ParallelLayout.from_sizes(dist.get_world_size(), parallel, num_experts)
+    layout.initialize()
     model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
 
@@ -163,8 +149,12 @@ class Trainer:
         reset_attention_mask: bool = False,
         optimizer_factory: Optional[Callable] = None,
         batch_transform: Optional[Callable] = None,
+        pad_to_multiple: bool = False,
     ):
-        initialize_parallel(parallel, seed)
+        self.layout = initialize_parallel(parallel, seed, model_cfg.num_experts or None)
+        self.cp_size = parallel_state.get_context_parallel_world_size()
+        self.cp_rank = parallel_state.get_context_parallel_rank()
+        self.pad_to_multiple = pad_to_multiple
         self.model_cfg = model_cfg
         self.parallel = parallel
         self.dataset = dataset
@@ -177,6 +167,7 @@ class Trainer:
         self.schedule = dict(lr=lr, min_lr=min_lr, warmup_iters=warmup_iters,
                              decay_iters=decay_iters, style=decay_style)
         self.clip_grad = clip_grad
+        self.seed = seed
         self.mtp_loss = mtp_loss
         self.mtp_scale = mtp_loss_scaling_factor
         self.reset_attention_mask = reset_attention_mask
@@ -208,9 +199,21 @@ class Trainer:
         batches = []
         for indices in micro_batch_indices(consumed_samples, self.global_batch_size,
                                            self.micro_batch_size, self.dp_rank, self.dp_size):
-            batch = collate([self.dataset[i % n] for i in indices], self.reset_attention_mask)
-            batches.append(self.batch_transform(batch) if self.batch_transform else batch)
+            samples = [self.dataset[epoch_index(i, n, self.seed)] for i in indices]
+            batch = collate(samples, self.reset_attention_mask)
+            batch = self.batch_transform(batch) if self.batch_transform else batch
+            # CP: every rank of a CP group read the same samples; keep its zigzag share.
+            batches.append(zigzag_batch(batch, self.cp_size, self.cp_rank, self.pad_to_multiple))
         return batches
+
+    def mtp_shift(self, batch: Batch):
+        """The MTP losses' shift along the sequence: across CP ranks under CP."""
+        if self.cp_size == 1:
+            return shift_left
+        layout = ZigzagLayout.for_local_tokens(batch.tokens.shape[1], self.cp_size,
+                                               batch.packed_seq_params)
+        group = parallel_state.get_context_parallel_group()
+        return lambda x, depth, fill: cp_shift_left(x, depth, fill, layout, self.cp_rank, group)
 
     # ---- losses -------------------------------------------------------------
     def losses(self, batch: Batch):
@@ -221,11 +224,14 @@ class Trainer:
         lm_sum, lm_tokens = lm_loss(logits, batch.labels, batch.loss_mask)
         mtp_sum = torch.zeros(())
         mtp_count = torch.zeros(())
+        shift = self.mtp_shift(batch)
         for depth, head in enumerate(mtp_logits, start=1):
             if self.mtp_loss == "self-distill":
-                s, c = mtp_self_distillation_loss(head, logits, batch.loss_mask, depth, batch.segment_ids)
+                s, c = mtp_self_distillation_loss(head, logits, batch.loss_mask, depth,
+                                                  batch.segment_ids, shift)
             else:
-                s, c = mtp_cross_entropy_loss(head, batch.labels, batch.loss_mask, depth, batch.segment_ids)
+                s, c = mtp_cross_entropy_loss(head, batch.labels, batch.loss_mask, depth,
+                                              batch.segment_ids, shift)
             mtp_sum = mtp_sum + s
             mtp_count = mtp_count + c
         return lm_sum, lm_tokens, mtp_sum, mtp_count
@@ -235,8 +241,9 @@ class Trainer:
         counts = torch.zeros(2, dtype=torch.float64)
         for b in batches:
             counts[0] += b.loss_mask.sum()
+            shift = self.mtp_shift(b) if depth else None
             for k in range(1, depth + 1):
-                counts[1] += mtp_valid_mask(b.loss_mask, k, b.segment_ids).sum()
+                counts[1] += mtp_valid_mask(b.loss_mask, k, b.segment_ids, shift).sum()
         if dist.is_initialized():
             dist.all_reduce(counts, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
         return counts

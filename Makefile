@@ -1,0 +1,35 @@
+# Two entry points for a fresh machine (see README "Quick start"):
+#   make demo   set up .venv and run the tiny 32K-stage CPT on the embedded code corpus
+#   make test   set up .venv and run the test suite
+PYTHON ?= python3
+VENV   ?= .venv
+PY      = $(VENV)/bin/python
+STAMP   = $(VENV)/.installed
+
+.PHONY: setup demo test test-gpu bench clean
+
+setup: $(STAMP)
+
+# The CPU build of torch is pinned when no NVIDIA driver is present; a CUDA
+# machine keeps (or installs) its own CUDA build.
+$(STAMP): setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install --quiet torch==2.13.0; fi
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	bash examples/tiny/cpt_32k.sh
+
+test: $(STAMP)
+	$(PY) -m pytest -q -m "not gpu"
+
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -m gpu
+
+bench: $(STAMP)
+	$(PY) benchmarks/cpt_throughput.py
+
+clean:
+	rm -rf runs data checkpoints

@@ -1,0 +1,244 @@
+"""Training: pure pieces, CPT end to end, resume exactness, reshard, atomic checkpoints, bad input."""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_composer.training.batches import micro_batch_indices, segment_ids_from_cu_seqlens
+from megatron_composer.training.losses import (
+    lm_loss,
+    mtp_cross_entropy_loss,
+    mtp_self_distillation_loss,
+    mtp_valid_mask,
+)
+from megatron_composer.training.schedule import learning_rate
+from tests.distributed import run_distributed
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------- pure pieces
+def test_learning_rate_schedule():
+    assert learning_rate(0, 1.0, 0.1, 4, 10) == pytest.approx(0.25)
+    assert learning_rate(3, 1.0, 0.1, 4, 10) == pytest.approx(1.0)
+    # halfway through cosine decay: min + (max - min) / 2
+    assert learning_rate(6, 1.0, 0.1, 4, 10) == pytest.approx(0.55)
+    assert learning_rate(50, 1.0, 0.1, 4, 10) == pytest.approx(0.1)
+    assert learning_rate(6, 1.0, 0.1, 4, 10, "linear") == pytest.approx(0.55)
+    assert learning_rate(5, 1.0, 0.1, 4, 10, "linear") == pytest.approx(0.7)  # 1/3 of the decay
+    assert learning_rate(8, 1.0, 0.1, 4, 10, "constant") == 1.0
+
+
+def test_micro_batch_indices_cover_the_global_batch_once():
+    seen = []
+    for rank in range(2):
+        rounds = micro_batch_indices(100, 8, 2, rank, 2)
+        assert len(rounds) == 2
+        seen += [i for r in rounds for i in r]
+    assert sorted(seen) == list(range(100, 108))
+    with pytest.raises(ValueError, match="not divisible by micro-batch-size x data-parallel size"):
+        micro_batch_indices(0, 6, 4, 0, 1)
+
+
+def test_segment_ids():
+    ids = segment_ids_from_cu_seqlens(torch.tensor([0, 3, 5, 8]), 8)
+    assert ids.tolist() == [0, 0, 0, 1, 1, 2, 2, 2]
+
+
+def test_lm_loss_is_masked_cross_entropy():
+    g = torch.Generator().manual_seed(0)
+    logits, labels = torch.randn(2, 4, 7, generator=g), torch.randint(0, 7, (2, 4), generator=g)
+    mask = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1.0]])
+    total, count = lm_loss(logits, labels, mask)
+    ref = F.cross_entropy(logits[mask.bool()], labels[mask.bool()], reduction="sum")
+    assert count == 6
+    torch.testing.assert_close(total, ref)
+
+
+def test_mtp_self_distillation_targets_the_main_head_one_step_ahead():
+    g = torch.Generator().manual_seed(0)
+    main = torch.randn(1, 5, 6, generator=g, requires_grad=True)
+    mask = torch.ones(1, 5)
+    # a student that equals the teacher shifted by one has zero loss
+    student = torch.zeros(1, 5, 6)
+    student[:, :4] = main[:, 1:].detach()
+    total, count = mtp_self_distillation_loss(student, main, mask, 1)
+    assert count == 4 and total.abs() < 1e-6
+    # otherwise the loss is KL(teacher || student) by hand, and no gradient reaches the teacher
+    student = torch.randn(1, 5, 6, generator=g, requires_grad=True)
+    total, count = mtp_self_distillation_loss(student, main, mask, 1)
+    p = main[0, 1:].softmax(-1)
+    ref = (p * (p.log() - student[0, :4].log_softmax(-1))).sum()
+    torch.testing.assert_close(total, ref)
+    total.backward()
+    assert main.grad is None and student.grad.abs().sum() > 0
+
+
+def test_mtp_masks_respect_documents_and_labels():
+    mask = torch.tensor([[1, 1, 1, 0, 1.0]])
+    seg = torch.tensor([[0, 0, 1, 1, 1]])
+    assert mtp_valid_mask(mask, 1, seg).tolist() == [[1, 0, 0, 1, 0]]
+    logits, labels = torch.randn(1, 5, 4), torch.tensor([[1, 2, 3, 0, 1]])
+    total, count = mtp_cross_entropy_loss(logits, labels, mask, 1, seg)
+    ref = F.cross_entropy(logits[0, [0, 3]], labels[0, [1, 4]], reduction="sum")
+    assert count == 2
+    torch.testing.assert_close(total, ref)
+
+
+# ---------------------------------------------------------------- end to end
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory):
+    from megatron_composer.data.datasets import default_cpt_data
+
+    d = tmp_path_factory.mktemp("data")
+    default_cpt_data(d, progress=False)
+    return d
+
+
+def _run(args, timeout=600):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, str(REPO / "pretrain_cpt.py"), *args],
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+
+
+def _losses(stdout):
+    return [float(line.split("lm loss: ")[1].split(" ")[0]) for line in stdout.splitlines() if "lm loss: " in line and "iteration" in line]
+
+
+def test_cpt_end_to_end_loss_falls(data_dir, tmp_path):
+    out = _run(["--data-cache-dir", str(data_dir), "--train-iters", "30", "--seq-length", "128",
+                "--micro-batch-size", "4", "--lr", "3e-3", "--lr-warmup-iters", "3",
+                "--save", str(tmp_path / "ckpt"), "--tensorboard-dir", str(tmp_path / "tb")])
+    assert out.returncode == 0, out.stderr[-3000:]
+    losses = _losses(out.stdout)
+    assert len(losses) == 30
+    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+    assert last < first - 1.0, losses  # from ~ln(4096) = 8.3 down by more than a nat
+    assert "mtp loss" in out.stdout and "tokens/s" in out.stdout
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "30"
+    assert any((tmp_path / "tb").iterdir())
+    assert "validation loss" in out.stdout
+
+
+def _trainer(dataset, ep=1, iters=8):
+    from megatron_composer.config import get_preset
+    from megatron_composer.models import ParallelSizes
+    from megatron_composer.platform import init_distributed
+    from megatron_composer.training.loop import Trainer
+
+    init_distributed()
+    return Trainer(get_preset("tiny"), ParallelSizes(expert_model_parallel_size=ep), dataset,
+                   seq_length=64, micro_batch_size=2, global_batch_size=4, lr=3e-3,
+                   warmup_iters=2, decay_iters=iters)
+
+
+def _dataset(prefix):
+    from megatron_composer.data.datasets import CPTDataset
+
+    return CPTDataset(prefix, 64, seed=5)
+
+
+def test_resume_reproduces_the_uninterrupted_run(data_dir, tmp_path):
+    from megatron_composer.training import checkpointing as ck
+
+    ds = _dataset(str(data_dir / "stdlib_train"))
+    full = _trainer(ds)
+    ref = [full.step().lm_loss for _ in range(6)]
+    ref_params = {k: v.clone() for k, v in ck.model_state_dict(full.model).items()}
+
+    first = _trainer(ds)
+    losses = [first.step().lm_loss for _ in range(3)]
+    ck.save_checkpoint(str(tmp_path), 3, first.model, first.optimizer,
+                       {"consumed_samples": first.state.consumed_samples})
+    resumed = _trainer(ds)
+    meta = ck.load_checkpoint(str(tmp_path), resumed.model, resumed.optimizer)
+    resumed.state.iteration, resumed.state.consumed_samples = meta["iteration"], meta["consumed_samples"]
+    losses += [resumed.step().lm_loss for _ in range(3)]
+    assert losses == ref  # bit-exact on CPU
+    for k, v in ck.model_state_dict(resumed.model).items():
+        assert torch.equal(v, ref_params[k]), k
+
+
+def _ep2_save(rank, world, prefix, path):
+    from megatron_composer.training import checkpointing as ck
+    from megatron_composer.models import composer_forward
+
+    tr = _trainer(_dataset(prefix), ep=2)
+    for _ in range(2):
+        tr.step()
+    ck.save_checkpoint(path, 2, tr.model, tr.optimizer, {"consumed_samples": tr.state.consumed_samples})
+    tokens = torch.arange(64).reshape(1, 64) * 7 % 4096
+    logits, _ = composer_forward(tr.model, tokens, torch.arange(64)[None])
+    return logits.detach()
+
+
+def test_checkpoint_saved_with_ep2_loads_with_ep1(data_dir, tmp_path):
+    from megatron_composer.training import checkpointing as ck
+    from megatron_composer.models import composer_forward
+
+    logits_ep2 = run_distributed(_ep2_save, 2, str(data_dir / "stdlib_train"), str(tmp_path))
+    torch.testing.assert_close(logits_ep2[0], logits_ep2[1])
+    tr = _trainer(_dataset(str(data_dir / "stdlib_train")), ep=1)
+    ck.load_checkpoint(str(tmp_path), tr.model, tr.optimizer)
+    tokens = torch.arange(64).reshape(1, 64) * 7 % 4096
+    logits, _ = composer_forward(tr.model, tokens, torch.arange(64)[None])
+    torch.testing.assert_close(logits.detach(), logits_ep2[0], rtol=1e-5, atol=1e-5)
+    assert any(k.endswith("/exp_avg") for k in ck.optimizer_state_dict(tr.model, tr.optimizer))
+
+
+def test_interrupted_save_keeps_the_previous_checkpoint(data_dir, tmp_path):
+    from megatron_composer.training import checkpointing as ck
+
+    tr = _trainer(_dataset(str(data_dir / "stdlib_train")))
+    tr.step()
+    ck.save_checkpoint(str(tmp_path), 1, tr.model, tr.optimizer, {"consumed_samples": 4})
+    # a save of iteration 2 that died half-way: its .tmp dir exists, the tracker is untouched
+    (tmp_path / "iter_0000002.tmp").mkdir()
+    (tmp_path / "iter_0000002.tmp" / "__0_0.distcp").write_bytes(b"partial")
+    assert ck.latest_iteration(str(tmp_path)) == 1
+    assert ck.load_checkpoint(str(tmp_path), tr.model)["iteration"] == 1
+    # the next save of iteration 2 clears the debris and completes
+    ck.save_checkpoint(str(tmp_path), 2, tr.model, tr.optimizer, {"consumed_samples": 8})
+    assert ck.latest_iteration(str(tmp_path)) == 2 and not (tmp_path / "iter_0000002.tmp").exists()
+
+
+# ---------------------------------------------------------------- bad input
+def test_unknown_preset_is_refused():
+    out = _run(["--model-preset", "gpt-9"])
+    assert out.returncode != 0 and "unknown --model-preset 'gpt-9'" in out.stderr
+
+
+def test_sequence_longer_than_the_data(tmp_path):
+    from megatron_composer.data.indexed import build_indexed_dataset
+    from megatron_composer.data.tokenizer import Tokenizer, train_tokenizer
+    from megatron_composer.data.corpus import stdlib_corpus
+
+    model = train_tokenizer(stdlib_corpus("valid")[:3], 400, tmp_path / "tok")
+    build_indexed_dataset(["def f():\n    return 1\n"] * 3, Tokenizer(model), str(tmp_path / "small"), progress=False)
+    out = _run(["--data-path", str(tmp_path / "small"), "--tokenizer-model", str(model),
+                "--seq-length", "512", "--train-iters", "1"])
+    assert out.returncode != 0
+    assert "--seq-length" in out.stderr and "512" in out.stderr
+
+
+def test_missing_data_path(tmp_path):
+    out = _run(["--data-path", str(tmp_path / "nope"), "--tokenizer-model", str(tmp_path / "nope.model")])
+    assert out.returncode != 0 and str(tmp_path / "nope") in out.stderr
+
+
+def test_corrupt_index_is_named(data_dir, tmp_path):
+    import shutil
+
+    for ext in (".bin", ".idx"):
+        shutil.copy(data_dir / f"stdlib_valid{ext}", tmp_path / f"bad{ext}")
+    idx = tmp_path / "bad.idx"
+    idx.write_bytes(idx.read_bytes()[:40])
+    out = _run(["--data-path", str(tmp_path / "bad"), "--tokenizer-model", str(data_dir / "tokenizer.model"),
+                "--train-iters", "1"])
+    assert out.returncode != 0 and "bad.idx" in out.stderr and "preprocess_data.py" in out.stderr
