@@ -1,0 +1,95 @@
+"""Low-precision format benchmarks: dispatch bytes, NVFP4 scale recipes, quantizer speed.
+
+    python benchmarks/quant.py
+
+(a) MoE dispatch payload per token, MXFP8 (E4M3 data + one E8M0 scale per 32)
+    against BF16, for the kimi-k2.5 hidden size 7168 and the tiny model's 128.
+(b) NVFP4 relative error ||dq - x|| / ||x|| with one fp32 scale per token
+    against one per tensor, on activations where 1% of tokens are outliers.
+    Reported as the mean of the per-token errors and over the whole batch (the
+    latter is dominated by the outlier tokens themselves). The recipes only
+    differ once an outlier is so large (about 448 / 2**-6 ~ 3e4 times another
+    token's block amax) that that token's per-tensor block scales fall into
+    E4M3's subnormals or to zero, so several outlier sizes are run.
+(c) CPU throughput of the exact emulating quantizers, in GB/s of fp32 input.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from megatron_composer.quant import (
+    dequantize_nvfp4,
+    quantize_mxfp8,
+    quantize_nvfp4,
+    quantize_nvfp4_per_tensor,
+)
+
+
+def dispatch_bytes(hidden: int) -> None:
+    """Print MXFP8 vs BF16 bytes per dispatched token of width `hidden`."""
+    token = torch.randn(1, hidden).bfloat16()
+    q = quantize_mxfp8(token)
+    bf16 = token.numel() * token.element_size()
+    print(
+        f"(a) dispatch hidden={hidden}: mxfp8 {q.nbytes} B/token ({q.data.numel()} data + {q.scale.numel()} scale), "
+        f"bf16 {bf16} B/token, ratio {q.nbytes / bf16:.4f} (target <= 0.53)"
+    )
+
+
+def relative_errors(x: torch.Tensor, dq: torch.Tensor) -> tuple[float, float]:
+    """(mean of per-token relative errors, whole-batch relative error); x, dq [tokens, hidden] fp32."""
+    per_token = ((dq - x).norm(dim=-1) / x.norm(dim=-1)).mean().item()
+    batch = ((dq - x).norm() / x.norm()).item()
+    return per_token, batch
+
+
+def nvfp4_outlier_error(tokens: int, hidden: int, outlier_scale: float) -> None:
+    """Print per-token vs per-tensor NVFP4 error with 1% of tokens scaled by `outlier_scale`."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, hidden, generator=g)
+    outliers = torch.randperm(tokens, generator=g)[: max(1, tokens // 100)]
+    x[outliers] *= outlier_scale
+    tok_mean, tok_batch = relative_errors(x, dequantize_nvfp4(quantize_nvfp4(x)))
+    ten_mean, ten_batch = relative_errors(x, dequantize_nvfp4(quantize_nvfp4_per_tensor(x)))
+    print(
+        f"(b) nvfp4, 1% of tokens x{outlier_scale:,.0f}: per-token scale err mean {tok_mean:.4f} "
+        f"batch {tok_batch:.4f} | per-tensor scale err mean {ten_mean:.4f} batch {ten_batch:.4f} | "
+        f"per-tensor/per-token ratio mean {ten_mean / tok_mean:.2f} batch {ten_batch / tok_batch:.2f}"
+    )
+
+
+def throughput(name: str, fn, x: torch.Tensor, runs: int = 5) -> None:
+    """Print the median GB/s (fp32 input bytes) of `fn(x)` after one warm-up call."""
+    fn(x)
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn(x)
+        times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
+    gbytes = x.numel() * x.element_size() / 1e9
+    print(
+        f"(c) {name} quantize {tuple(x.shape)} fp32 on {torch.get_num_threads()} CPU threads: "
+        f"median {seconds * 1e3:.0f} ms over {runs} runs, {gbytes / seconds:.2f} GB/s"
+    )
+
+
+def main() -> None:
+    for hidden in (7168, 128):
+        dispatch_bytes(hidden)
+    for scale in (1e2, 1e4, 1e5, 1e6):
+        nvfp4_outlier_error(tokens=2048, hidden=7168, outlier_scale=scale)
+    x = torch.randn(4096, 7168, generator=torch.Generator().manual_seed(1))
+    throughput("mxfp8", quantize_mxfp8, x)
+    throughput("nvfp4", quantize_nvfp4, x)
+
+
+if __name__ == "__main__":
+    main()
