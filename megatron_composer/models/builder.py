@@ -5,10 +5,16 @@ own submodules where the recipe needs them; no megatron-core class is forked:
 
 * core attention: `attention.MLACoreAttention` (megatron-core 0.16.1 has MLA
   core attention only through Transformer Engine);
+* with context_parallel_size > 1, `attention.cp.ContextParallelMLASelfAttention`
+  (KV latents all-gathered over CP, zigzag queries; no TE ring);
 * first-k dense SwiGLU layers, then MoE layers with a shared expert, sigmoid
   scores, aux-loss-free expert bias, group-limited top-k and a routed scaling
   factor (all megatron-core router features, switched on by the config);
-* an MTP block built from the last decoder layer's spec, as DeepSeek-V3.
+* an MTP block built from the last decoder layer's spec, as DeepSeek-V3;
+* with `moe_expert_precision` nvfp4/mxfp8, `moe.QuantizedSequentialMLP`
+  experts (megatron's SequentialMLP, expert GEMMs through `quantized_linear`);
+  with `moe_dispatch_precision` mxfp8, `moe.MXFP8DispatchMoELayer` (alltoall
+  dispatch payload in MXFP8, combine in BF16).
 """
 from __future__ import annotations
 
@@ -22,12 +28,15 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_decoder_block_spec,
     get_gpt_mtp_block_spec,
 )
+from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from ..attention.core import MLACoreAttention
+from ..attention.cp import ContextParallelMLASelfAttention, ZigzagCoreAttention
 from ..config.model import ModelConfig
+from ..moe import quantized_dispatch_spec, quantized_experts_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,20 +135,36 @@ def transformer_config(
     return MLATransformerConfig(**kwargs)
 
 
-def _use_our_core_attention(layer_spec: ModuleSpec) -> None:
+def _use_our_attention(layer_spec: ModuleSpec, context_parallel: bool) -> None:
     attention = layer_spec.submodules.self_attention
     assert attention.module is MLASelfAttention, attention.module
-    attention.submodules.core_attention = MLACoreAttention
+    if context_parallel:
+        # CP: latent all-gather + zigzag queries (attention/cp.py), not TE's ring.
+        attention.module = ContextParallelMLASelfAttention
+        attention.submodules.core_attention = ZigzagCoreAttention
+    else:
+        attention.submodules.core_attention = MLACoreAttention
 
 
-def composer_block_spec(tconfig: MLATransformerConfig):
-    """Decoder block spec: megatron-core's local MLA spec with our core attention."""
+def _use_our_moe(layer_spec: ModuleSpec, expert_precision: str, dispatch_precision: str,
+                 pg_collection=None) -> None:
+    mlp = layer_spec.submodules.mlp
+    if mlp.module is not MoELayer:  # a dense layer
+        return
+    mlp.submodules.experts = quantized_experts_spec(mlp.submodules.experts, expert_precision)
+    layer_spec.submodules.mlp = quantized_dispatch_spec(mlp, dispatch_precision, pg_collection)
+
+
+def composer_block_spec(tconfig: MLATransformerConfig, moe_expert_precision: str = "bf16",
+                        moe_dispatch_precision: str = "bf16", pg_collection=None):
+    """Decoder block spec: megatron-core's local MLA spec with our (CP) attention."""
     block = get_gpt_decoder_block_spec(tconfig, use_transformer_engine=False, normalization="RMSNorm")
     # Layer specs are shared objects between layers of the same kind; copy
     # before editing so megatron-core's module-level specs stay untouched.
     block.layer_specs = [_copy_spec(spec) for spec in block.layer_specs]
     for spec in block.layer_specs:
-        _use_our_core_attention(spec)
+        _use_our_attention(spec, tconfig.context_parallel_size > 1)
+        _use_our_moe(spec, moe_expert_precision, moe_dispatch_precision, pg_collection)
     return block
 
 
@@ -159,15 +184,21 @@ def build_model(
     params_dtype: torch.dtype = torch.float32,
     seq_length: Optional[int] = None,
     pg_collection=None,
+    moe_expert_precision: str = "bf16",
+    moe_dispatch_precision: str = "bf16",
     **config_overrides,
 ) -> GPTModel:
     """Build the Composer GPTModel on the current device.
+
+    moe_expert_precision: "bf16" (megatron's SequentialMLP), "mxfp8" or
+    "nvfp4" (NVFP4 forward, MXFP8 backward); moe_dispatch_precision: "bf16"
+    or "mxfp8" (EP dispatch payload). See `megatron_composer.moe`.
 
     Needs megatron-core's parallel state (or `pg_collection`) to be set up,
     which `platform.init_distributed` + `parallel` layouts do.
     """
     tconfig = transformer_config(cfg, parallel, params_dtype, **config_overrides)
-    block = composer_block_spec(tconfig)
+    block = composer_block_spec(tconfig, moe_expert_precision, moe_dispatch_precision, pg_collection)
     mtp = get_gpt_mtp_block_spec(tconfig, block, use_transformer_engine=False) if cfg.mtp_num_layers else None
     extra = {"pg_collection": pg_collection} if pg_collection is not None else {}
     model = GPTModel(

@@ -85,7 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--reset-attention-mask", action="store_true",
                    help="attend within each packed document only (cu_seqlens)")
     g.add_argument("--pad-to-multiple", action="store_true",
-                   help="pad sequences to a multiple of 2*CP instead of refusing them")
+                   help="under CP, pad each sequence (each packed document with "
+                        "--reset-attention-mask) to a multiple of 2*CP with loss-masked pad "
+                        "tokens instead of refusing it")
 
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=4)
@@ -117,12 +119,27 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mtp-freeze-trunk", action="store_true",
                    help="train only the MTP modules (MTP added to a mid-CPT checkpoint)")
 
+    g = p.add_argument_group("low precision")
+    g.add_argument("--moe-expert-precision", choices=["bf16", "mxfp8", "nvfp4"], default="bf16",
+                   help="routed-expert GEMMs: bf16 (megatron's SequentialMLP), mxfp8, or nvfp4 "
+                        "(per-token-scaled NVFP4 forward, MXFP8 backward); exact CPU emulation")
+    g.add_argument("--moe-dispatch-precision", choices=["bf16", "mxfp8"], default="bf16",
+                   help="EP alltoall dispatch payload: mxfp8 sends E4M3 data + E8M0 scales "
+                        "(hidden size a multiple of 32); combine stays bf16")
+
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--context-parallel-size", type=int, default=1)
     g.add_argument("--expert-model-parallel-size", type=int, default=1)
     g.add_argument("--expert-tensor-parallel-size", type=int, default=1)
+    g.add_argument("--data-parallel-sharding", choices=["ddp", "hsdp"], default="ddp",
+                   help="ddp: megatron-core DDP (replicated weights); hsdp: torch FSDP2 with "
+                        "dual meshes (dense weights over --dense-shard-size ranks incl. CP, "
+                        "experts over the expert-data-parallel ranks)")
+    g.add_argument("--dense-shard-size", type=int, default=None,
+                   help="HSDP shard group size for dense weights (a multiple of CP); "
+                        "default: max(CP, 2)")
 
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", default=None, help="checkpoint directory to write")
@@ -178,8 +195,28 @@ def parse_args(argv: Optional[list[str]] = None):
                      "CP x EP x FSDP instead of PP")
     if args.min_lr > args.lr:
         parser.error(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
+    if args.context_parallel_size > 1 and not args.pad_to_multiple:
+        from ..parallel.zigzag import check_divisible
+
+        try:
+            check_divisible([args.seq_length], args.context_parallel_size, packed=False)
+        except ValueError as exc:
+            parser.error(f"--seq-length: {exc}")
     try:
-        model_config_from_args(args)
+        cfg = model_config_from_args(args)
+        check_low_precision(args, cfg)
     except ValueError as exc:
         parser.error(str(exc))
     return args
+
+
+def check_low_precision(args, cfg: ModelConfig) -> None:
+    """Raise a ValueError naming the size if the model cannot run the chosen MoE precisions."""
+    if not cfg.num_experts:
+        return
+    from ..moe import check_dispatch_hidden_size, check_expert_precision
+
+    check_expert_precision(cfg.hidden_size, cfg.moe_ffn_hidden_size, args.moe_expert_precision,
+                           expert_tp=args.expert_tensor_parallel_size)
+    if args.moe_dispatch_precision == "mxfp8":
+        check_dispatch_hidden_size(cfg.hidden_size)

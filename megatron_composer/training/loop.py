@@ -26,12 +26,14 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from megatron.core.transformer.moe.moe_utils import get_updated_expert_bias
 
 from ..data.datasets import epoch_index
 from ..config.model import ModelConfig, count_parameters, training_flops_per_token
 from ..models import ParallelSizes, build_model, composer_forward
 from ..models.forward import unwrap
 from ..parallel import ParallelLayout, ZigzagLayout, cp_shift_left, shift_left, zigzag_batch
+from ..parallel.fsdp import apply_dual_mesh_hsdp, dense_mesh, expert_mesh, sharded_grad_norm
 from .batches import Batch, collate, micro_batch_indices
 from .losses import lm_loss, mtp_cross_entropy_loss, mtp_self_distillation_loss, mtp_valid_mask
 from .schedule import learning_rate
@@ -64,6 +66,7 @@ def initialize_parallel(parallel: ParallelSizes, seed: int,
     layout.initialize()
     model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
+    return layout
 
 
 def is_no_decay(name: str, param: torch.Tensor) -> bool:
@@ -116,6 +119,21 @@ def grad_norm(params) -> torch.Tensor:
     return (dense_rep + dense_tp + expert).sqrt()
 
 
+def update_expert_bias(model) -> None:
+    """Aux-loss-free balancing step for every router (what megatron-core's
+    finalize_model_grads does for DDP): all-reduce the tokens each expert
+    received this step, move each bias by +-rate toward balance, reset counts."""
+    routers = [m for m in unwrap(model).modules() if getattr(m, "expert_bias", None) is not None]
+    if not routers:
+        return
+    counts = torch.stack([m.local_tokens_per_expert for m in routers])
+    biases = torch.stack([m.expert_bias for m in routers])
+    updated = get_updated_expert_bias(counts, biases, routers[0].config.moe_router_bias_update_rate)
+    for m, bias in zip(routers, updated):
+        m.expert_bias.copy_(bias)
+        m.local_tokens_per_expert.zero_()
+
+
 def _grad(p):
     return getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None else p.grad
 
@@ -150,6 +168,10 @@ class Trainer:
         optimizer_factory: Optional[Callable] = None,
         batch_transform: Optional[Callable] = None,
         pad_to_multiple: bool = False,
+        moe_expert_precision: str = "bf16",
+        moe_dispatch_precision: str = "bf16",
+        data_parallel_sharding: str = "ddp",
+        dense_shard_size: Optional[int] = None,
     ):
         self.layout = initialize_parallel(parallel, seed, model_cfg.num_experts or None)
         self.cp_size = parallel_state.get_context_parallel_world_size()
@@ -174,16 +196,24 @@ class Trainer:
         self.batch_transform = batch_transform
 
         gpt = build_model(model_cfg, parallel, params_dtype=params_dtype, seq_length=seq_length,
+                          moe_expert_precision=moe_expert_precision,
+                          moe_dispatch_precision=moe_dispatch_precision,
                           calculate_per_token_loss=True)
         if mtp_freeze_trunk:
             if not model_cfg.mtp_num_layers:
                 raise ValueError("--mtp-freeze-trunk needs --mtp-num-layers >= 1")
             for name, p in gpt.named_parameters():
                 p.requires_grad_(name.startswith("mtp."))
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
-        )
-        self.model = DistributedDataParallel(config=gpt.config, ddp_config=ddp_config, module=gpt)
+        self.sharding = data_parallel_sharding
+        if data_parallel_sharding == "hsdp":
+            self.model = self._shard_hsdp(gpt, parallel, dense_shard_size)
+        elif data_parallel_sharding == "ddp":
+            ddp_config = DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+            )
+            self.model = DistributedDataParallel(config=gpt.config, ddp_config=ddp_config, module=gpt)
+        else:
+            raise ValueError(f"--data-parallel-sharding {data_parallel_sharding!r}; use ddp or hsdp")
         self.params = [p for p in gpt.parameters() if p.requires_grad]
         if optimizer_factory is None:
             self.optimizer = build_adamw(self.model, lr, weight_decay, betas, eps)
@@ -192,6 +222,19 @@ class Trainer:
         self.state = TrainState()
         self.flops_per_token = training_flops_per_token(model_cfg, seq_length)
         self.param_count = count_parameters(model_cfg)
+
+    def _shard_hsdp(self, gpt, parallel: ParallelSizes, dense_shard_size: Optional[int]):
+        """Dual-mesh HSDP (FSDP2): dense weights over a narrow CP-including mesh,
+        experts over the wide expert-data-parallel mesh."""
+        if parallel.tensor_model_parallel_size != 1 or parallel.expert_tensor_parallel_size != 1:
+            raise ValueError("--data-parallel-sharding hsdp needs TP = ETP = 1 "
+                             "(the recipe scales with CP x EP x FSDP instead)")
+        world = dist.get_world_size()
+        cp = parallel.context_parallel_size
+        dense = dense_mesh(world, dense_shard_size or max(cp, min(world, 2)), cp)
+        experts = expert_mesh(world, parallel.expert_model_parallel_size,
+                              self.layout.groups()["edp"])
+        return apply_dual_mesh_hsdp(gpt, dense, experts)
 
     # ---- data ---------------------------------------------------------------
     def micro_batches(self, consumed_samples: int) -> list[Batch]:
@@ -256,7 +299,8 @@ class Trainer:
         batches = self.micro_batches(st.consumed_samples)
         counts = self._global_counts(batches)
         lm_total, mtp_total = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
-        self.model.zero_grad_buffer()
+        if self.sharding == "ddp":
+            self.model.zero_grad_buffer()
         for p in self.params:
             p.grad = None
         n_lm = max(counts[0].item(), 1.0)
@@ -269,11 +313,17 @@ class Trainer:
             loss.backward()
             lm_total += lm_sum.detach().double()
             mtp_total += mtp_sum.detach().double()
-        finalize_model_grads([self.model])
+        if self.sharding == "ddp":
+            finalize_model_grads([self.model])  # DP/EP reduction + expert-bias update
+        else:
+            update_expert_bias(self.model)  # FSDP2 reduced the gradients in backward
         totals = torch.stack([lm_total, mtp_total])
         if dist.is_initialized():
             dist.all_reduce(totals, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
-        norm = grad_norm(self.params).item()
+        if self.sharding == "ddp":
+            norm = grad_norm(self.params).item()
+        else:
+            norm = sharded_grad_norm(self.params, parallel_state.get_expert_model_parallel_group()).item()
         lr = learning_rate(st.iteration, **self.schedule)
         skipped = not math.isfinite(norm)
         if not skipped:

@@ -6,10 +6,18 @@ so the loop can normalize by the token count of the whole global batch
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
+
+from ..parallel.zigzag import shift_left
+
+# shift(x, depth, fill): x[:, t + depth] at t within the sequence/document,
+# `fill` past its end. `shift_left` for CP=1; under context parallelism the
+# loop passes a zigzag-aware `parallel.zigzag.cp_shift_left`, because the
+# token `depth` ahead may live on another CP rank.
+Shift = Callable[[torch.Tensor, int, object], torch.Tensor]
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor):
@@ -28,7 +36,8 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor)
 
 
 def mtp_valid_mask(
-    loss_mask: torch.Tensor, depth: int, segment_ids: Optional[torch.Tensor] = None
+    loss_mask: torch.Tensor, depth: int, segment_ids: Optional[torch.Tensor] = None,
+    shift: Shift = shift_left,
 ) -> torch.Tensor:
     """Where MTP depth `depth` (1-based) has a target: positions t with t+depth
     inside the sample, in the same document, and a counted label at t+depth.
@@ -37,17 +46,13 @@ def mtp_valid_mask(
         loss_mask: [b, s] float.
         depth: k >= 1.
         segment_ids: [b, s] int document index per token, or None (one document).
+        shift: see `Shift`.
     Returns:
         [b, s] float.
     """
-    b, s = loss_mask.shape
-    valid = torch.zeros_like(loss_mask, dtype=torch.float32)
-    if depth >= s:
-        return valid
-    ok = loss_mask[:, depth:].float()
+    valid = shift(loss_mask.float(), depth, 0.0)
     if segment_ids is not None:
-        ok = ok * (segment_ids[:, depth:] == segment_ids[:, :-depth]).float()
-    valid[:, : s - depth] = ok
+        valid = valid * (shift(segment_ids, depth, -1) == segment_ids).float()
     return valid
 
 
@@ -57,6 +62,7 @@ def mtp_self_distillation_loss(
     loss_mask: torch.Tensor,
     depth: int,
     segment_ids: Optional[torch.Tensor] = None,
+    shift: Shift = shift_left,
 ):
     """MTP self-distillation: the MTP head at position t learns the main head's
     distribution for the same target token (the main head at t + depth), with
@@ -68,13 +74,12 @@ def mtp_self_distillation_loss(
         loss_mask: [b, s] float, the main loss mask.
         depth: 1-based MTP depth.
         segment_ids: optional [b, s] document ids for packed samples.
+        shift: see `Shift`.
     Returns:
         (sum of per-position KL, number of positions).
     """
-    valid = mtp_valid_mask(loss_mask, depth, segment_ids)
-    s = main_logits.shape[1]
-    teacher = torch.zeros_like(main_logits, dtype=torch.float32)
-    teacher[:, : s - depth] = main_logits[:, depth:].detach().float()
+    valid = mtp_valid_mask(loss_mask, depth, segment_ids, shift)
+    teacher = shift(main_logits.detach().float(), depth, 0.0)
     log_t = F.log_softmax(teacher, dim=-1)
     log_s = F.log_softmax(mtp_logits.float(), dim=-1)
     kl = (log_t.exp() * (log_t - log_s)).sum(-1)
@@ -87,11 +92,10 @@ def mtp_cross_entropy_loss(
     loss_mask: torch.Tensor,
     depth: int,
     segment_ids: Optional[torch.Tensor] = None,
+    shift: Shift = shift_left,
 ):
     """DeepSeek-V3's MTP loss: cross-entropy on the token `depth` further ahead."""
-    valid = mtp_valid_mask(loss_mask, depth, segment_ids)
-    s = labels.shape[1]
-    shifted = torch.zeros_like(labels)
-    shifted[:, : s - depth] = labels[:, depth:]
+    valid = mtp_valid_mask(loss_mask, depth, segment_ids, shift)
+    shifted = shift(labels, depth, 0)
     per_token = F.cross_entropy(mtp_logits.flatten(0, 1).float(), shifted.flatten(), reduction="none")
     return (per_token * valid.flatten()).sum(), valid.sum()

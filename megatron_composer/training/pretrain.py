@@ -63,7 +63,12 @@ def build_trainer(args, train_ds, model_cfg) -> Trainer:
         mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
         mtp_freeze_trunk=args.mtp_freeze_trunk,
         reset_attention_mask=args.reset_attention_mask,
+        pad_to_multiple=args.pad_to_multiple,
         optimizer_factory=optimizer_factory(args),
+        data_parallel_sharding=args.data_parallel_sharding,
+        dense_shard_size=args.dense_shard_size,
+        moe_expert_precision=args.moe_expert_precision,
+        moe_dispatch_precision=args.moe_dispatch_precision,
     )
 
 
@@ -73,14 +78,20 @@ def _resume(args, trainer: Trainer, log: TrainingLogger) -> None:
     if checkpointing.latest_iteration(args.load) is None:
         log.print(f"WARNING: no checkpoint found in --load {args.load}; training from scratch")
         return
-    load_optim = not (args.no_load_optim or args.finetune)
+    # A checkpoint of an earlier stage (cpt-32k -> cpt-256k) starts the new
+    # stage from its weights: like --finetune, a fresh optimizer, iteration and data.
+    saved_stage = checkpointing.read_meta(args.load).get("stage")
+    next_stage = saved_stage is not None and saved_stage != args.stage
+    weights_only = args.finetune or next_stage
+    load_optim = not (args.no_load_optim or weights_only)
     meta = checkpointing.load_checkpoint(args.load, trainer.model, trainer.optimizer if load_optim else None)
-    if not args.finetune:
+    if not weights_only:
         trainer.state.iteration = meta["iteration"]
         trainer.state.consumed_samples = meta["consumed_samples"]
         trainer.state.skipped_iterations = meta.get("skipped_iterations", 0)
+    reason = "--finetune" if args.finetune else f"stage {saved_stage} -> {args.stage}"
     log.print(f" loaded checkpoint from {args.load} at iteration {meta['iteration']}"
-              + (" (weights only: --finetune)" if args.finetune else ""))
+              + (f" (weights only: {reason})" if weights_only else ""))
 
 
 def _save(args, trainer: Trainer, log: TrainingLogger) -> None:
@@ -115,6 +126,8 @@ def pretrain(argv: Optional[list[str]] = None) -> Trainer:
               f"{counts.mtp / 1e6:.2f}M MTP; TP={args.tensor_model_parallel_size} "
               f"CP={args.context_parallel_size} EP={args.expert_model_parallel_size} "
               f"DP={trainer.dp_size}; global batch {trainer.global_batch_size}")
+    for line in trainer.layout.describe().splitlines()[: None if env.world_size <= 16 else 2]:
+        log.print(f"> {line}")
     log = TrainingLogger(
         env.rank,
         tensorboard_dir=args.tensorboard_dir,
