@@ -120,3 +120,9 @@ def test_megatron_needs_the_shims_without_them():
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "FAILS" in out.stdout, out.stderr[-2000:]
+
+
+def test_device_context_still_applies_to_factories():
+    with torch.device("meta"):
+        assert torch.arange(3).device.type == "meta"
+        assert torch.zeros(2).device.type == "meta"

@@ -242,3 +242,29 @@ def test_corrupt_index_is_named(data_dir, tmp_path):
     out = _run(["--data-path", str(tmp_path / "bad"), "--tokenizer-model", str(data_dir / "tokenizer.model"),
                 "--train-iters", "1"])
     assert out.returncode != 0 and "bad.idx" in out.stderr and "preprocess_data.py" in out.stderr
+
+
+def test_mtp_added_to_a_checkpoint_trained_without_it(data_dir, tmp_path):
+    """The recipe adds MTP mid-CPT: load trunk weights, MTP starts fresh, trunk frozen."""
+    common = ["--data-cache-dir", str(data_dir), "--seq-length", "64", "--micro-batch-size", "2"]
+    out = _run(common + ["--train-iters", "2", "--mtp-num-layers", "0", "--save", str(tmp_path / "a")])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "mtp loss" not in out.stdout
+    out = _run(common + ["--train-iters", "2", "--mtp-num-layers", "1", "--mtp-freeze-trunk",
+                         "--load", str(tmp_path / "a"), "--finetune", "--save", str(tmp_path / "b")])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "mtp loss" in out.stdout and "weights only" in out.stdout
+    from megatron_composer.training import checkpointing as ck
+
+    import torch.distributed.checkpoint as dcp
+
+    def tensor(root, name):
+        t = {f"model.{name}": torch.empty(0)}
+        meta = dcp.FileSystemReader(ck.iteration_dir(root, 2)).read_metadata().state_dict_metadata
+        t[f"model.{name}"] = torch.empty(meta[f"model.{name}"].size)
+        dcp.load(t, checkpoint_id=ck.iteration_dir(root, 2))
+        return t[f"model.{name}"]
+
+    trunk = "decoder.layers.0.self_attention.linear_proj.weight"
+    assert torch.equal(tensor(str(tmp_path / "a"), trunk), tensor(str(tmp_path / "b"), trunk))  # frozen
+    assert tensor(str(tmp_path / "b"), "mtp.layers.0.eh_proj.weight").shape == (128, 256)

@@ -27,8 +27,10 @@ PRESETS: dict[str, ModelConfig] = {
         moe_ffn_hidden_size=96,
         moe_router_topk=2,
         moe_shared_expert_intermediate_size=96,
-        moe_router_num_groups=4,
-        moe_router_group_topk=2,
+        # 2 groups, 1 chosen: each group scored by its top-2 experts, as
+        # DeepSeek-V3 does (megatron scores by top topk/group_topk).
+        moe_router_num_groups=2,
+        moe_router_group_topk=1,
         moe_router_topk_scaling_factor=2.5,
         mtp_num_layers=1,
         max_position_embeddings=4096,
@@ -52,7 +54,7 @@ PRESETS: dict[str, ModelConfig] = {
         moe_router_topk=6,
         moe_shared_expert_intermediate_size=1024,
         moe_router_num_groups=8,
-        moe_router_group_topk=4,
+        moe_router_group_topk=3,
         moe_router_topk_scaling_factor=2.5,
         mtp_num_layers=1,
         max_position_embeddings=32768,

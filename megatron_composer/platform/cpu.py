@@ -187,6 +187,12 @@ _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "randn", "ra
 
 
 def _shim_device_cuda_literal():
+    # `with torch.device(...)` finds factories by identity through a set cached
+    # on first use; cache the real factories before wrapping them, or device
+    # contexts (e.g. "meta" in transformers' from_pretrained) stop applying.
+    from torch.utils._device import _device_constructors
+
+    _device_constructors()
     for name in _FACTORIES:
         original = getattr(torch, name)
 

@@ -160,9 +160,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def explicit_model_overrides(args) -> dict:
+    """ModelConfig fields given explicitly on the command line."""
+    return {k: getattr(args, k) for k in _MODEL_FLAGS if getattr(args, k, None) is not None}
+
+
 def model_config_from_args(args) -> ModelConfig:
     cfg = get_preset(args.model_preset)
-    overrides = {k: getattr(args, k) for k in _MODEL_FLAGS if getattr(args, k, None) is not None}
+    overrides = explicit_model_overrides(args)
     if overrides:
         cfg = dataclasses.replace(cfg, **overrides)
     cfg.validate()

@@ -78,16 +78,20 @@ def model_state_dict(model) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_model_state_dict(model, state: dict[str, torch.Tensor]) -> None:
+def load_model_state_dict(model, state: dict[str, torch.Tensor], allow_missing: tuple[str, ...] = ()) -> None:
     gpt = unwrap(model)
     names = global_param_names(model)
     local = {}
     for key in gpt.state_dict():
         if key.endswith("_extra_state"):
             continue
-        local[key] = state[names.get(key, key)]
+        name = names.get(key, key)
+        if name not in state and name.startswith(allow_missing):
+            continue
+        local[key] = state[name]
     missing, unexpected = gpt.load_state_dict(local, strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
+    missing = [k for k in missing if not k.endswith("_extra_state")
+               and not names.get(k, k).startswith(allow_missing or ("\0",))]
     if missing:
         raise CheckpointError(f"checkpoint lacks model tensors: {missing[:5]}")
 
@@ -213,14 +217,28 @@ def read_meta(root: str, iteration: Optional[int] = None) -> dict:
         return json.load(f)
 
 
-def load_checkpoint(root: str, model, optimizer=None, iteration: Optional[int] = None) -> dict:
-    """Load model (and optimizer) state in place; return the checkpoint's meta."""
+def load_checkpoint(root: str, model, optimizer=None, iteration: Optional[int] = None,
+                    allow_missing: tuple[str, ...] = ()) -> dict:
+    """Load model (and optimizer) state in place; return the checkpoint's meta.
+
+    `allow_missing`: name prefixes of model tensors that may be absent from
+    the checkpoint and keep their fresh initialization (e.g. ("mtp.",) when
+    MTP modules are added to a checkpoint trained without them).
+    """
     iteration = latest_iteration(root) if iteration is None else iteration
     if iteration is None:
         raise CheckpointError(f"no checkpoint in {root} (missing {TRACKER})")
     path = iteration_dir(root, iteration)
     meta = read_meta(root, iteration)
     state = {"model": model_state_dict(model)}
+    if allow_missing:
+        stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        skipped = [k for k in state["model"] if f"model.{k}" not in stored and k.startswith(allow_missing)]
+        for k in skipped:
+            del state["model"][k]
+        if skipped and optimizer is not None:
+            optimizer = None  # fresh modules need fresh optimizer state for everything
+            meta = dict(meta, optimizer_skipped=True)
     load_optim = optimizer is not None and meta.get("has_optimizer", False)
     if load_optim:
         state["optimizer"] = _optimizer_template(model, optimizer)
@@ -231,7 +249,7 @@ def load_checkpoint(root: str, model, optimizer=None, iteration: Optional[int] =
             f"could not read checkpoint {path}: {exc}. If the model architecture "
             "changed since it was written, load it with matching model flags."
         ) from exc
-    load_model_state_dict(model, state["model"])
+    load_model_state_dict(model, state["model"], allow_missing)
     if load_optim:
         load_optimizer_state_dict(model, optimizer, state["optimizer"])
     rng = os.path.join(path, f"rng_rank{_rank()}.pt")

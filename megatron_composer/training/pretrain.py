@@ -15,7 +15,7 @@ from ..config.model import count_parameters
 from ..models import ParallelSizes
 from ..platform import init_distributed
 from . import checkpointing
-from .arguments import STAGES, model_config_from_args, parse_args
+from .arguments import STAGES, explicit_model_overrides, model_config_from_args, parse_args
 from .data import build_datasets
 from .logger import TrainingLogger
 from .loop import Trainer
@@ -72,6 +72,20 @@ def build_trainer(args, train_ds, model_cfg) -> Trainer:
     )
 
 
+def saved_model_config(args):
+    """The architecture stored in --load's checkpoint, with the shape flags given
+    explicitly on top (so --mtp-num-layers 1 adds MTP to a checkpoint without
+    it); None when there is nothing to load."""
+    if not args.load or checkpointing.latest_iteration(args.load) is None:
+        return None
+    meta = checkpointing.read_meta(args.load)
+    if "model_config" not in meta:
+        return None
+    from ..convert.config import model_config_from_dict
+
+    return model_config_from_dict(meta["model_config"]).replace(**explicit_model_overrides(args))
+
+
 def _resume(args, trainer: Trainer, log: TrainingLogger) -> None:
     if not args.load:
         return
@@ -84,7 +98,11 @@ def _resume(args, trainer: Trainer, log: TrainingLogger) -> None:
     next_stage = saved_stage is not None and saved_stage != args.stage
     weights_only = args.finetune or next_stage
     load_optim = not (args.no_load_optim or weights_only)
-    meta = checkpointing.load_checkpoint(args.load, trainer.model, trainer.optimizer if load_optim else None)
+    # MTP modules may be added to a checkpoint trained without them (the
+    # recipe adds MTP mid-CPT); they keep their fresh initialization.
+    allow = ("mtp.",) if weights_only else ()
+    meta = checkpointing.load_checkpoint(args.load, trainer.model, trainer.optimizer if load_optim else None,
+                                         allow_missing=allow)
     if not weights_only:
         trainer.state.iteration = meta["iteration"]
         trainer.state.consumed_samples = meta["consumed_samples"]
@@ -111,7 +129,7 @@ def _save(args, trainer: Trainer, log: TrainingLogger) -> None:
 def pretrain(argv: Optional[list[str]] = None) -> Trainer:
     args = parse_args(argv)
     env = init_distributed()
-    model_cfg = model_config_from_args(args)
+    model_cfg = saved_model_config(args) or model_config_from_args(args)
     log = TrainingLogger(env.rank)
     stage = STAGES[args.stage]
     log.print(f"> stage {stage.name}: {stage.description}; preset {args.model_preset}, "
