@@ -9,3 +9,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def data_dir(request):
+    """The embedded stdlib CPT data (tokenizer + train/valid indexed datasets).
+
+    Built once into pytest's cache dir and reused while its manifest matches
+    (`default_cpt_data` checks Python, sentencepiece and the file lists).
+    """
+    from megatron_composer.data.datasets import default_cpt_data
+
+    d = request.config.cache.mkdir("stdlib_cpt_data")
+    default_cpt_data(d, progress=False)
+    return d

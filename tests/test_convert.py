@@ -580,3 +580,13 @@ def test_conversion_memory_is_bounded(tmp_path):
     growth = json.loads(out.stdout.strip().splitlines()[-1])
     assert growth["hf_to_mcore"] < bound, (growth, total)
     assert growth["mcore_to_hf"] < bound, (growth, total)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small", "deepseek-v3", "kimi-k2.5"])
+def test_every_preset_is_expressible_in_the_hf_format(preset):
+    from megatron_composer.config import get_preset
+    from megatron_composer.convert.config import hf_config_from_model, model_config_from_hf
+
+    cfg = get_preset(preset)
+    back = model_config_from_hf(hf_config_from_model(cfg))
+    assert back.replace(init_method_std=cfg.init_method_std) == cfg

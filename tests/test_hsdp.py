@@ -20,17 +20,25 @@ class _Tokens:
                     position_ids=torch.arange(self.seq), cu_seqlens=torch.tensor([0, self.seq], dtype=torch.int32))
 
 
-def _train(rank, world, sharding, ep, shard, steps, save=None, load=None):
+def _train(rank, world, sharding, ep, shard, steps, save=None, load=None, optimizer="adam"):
     from megatron_composer.config import get_preset
     from megatron_composer.models import ParallelSizes
     from megatron_composer.platform import init_distributed
     from megatron_composer.training import checkpointing as ck
+    from megatron_composer.optim.factory import build_muon_optimizer
     from megatron_composer.training.loop import Trainer
 
     init_distributed()
+    factory = None
+    if optimizer == "muon":
+        factory = lambda m: build_muon_optimizer(m, lr=1e-3, granularity="head")  # noqa: E731
     tr = Trainer(get_preset("tiny"), ParallelSizes(expert_model_parallel_size=ep), _Tokens(),
                  seq_length=64, micro_batch_size=1, global_batch_size=4, warmup_iters=0, decay_iters=4,
-                 data_parallel_sharding=sharding, dense_shard_size=shard)
+                 data_parallel_sharding=sharding, dense_shard_size=shard, optimizer_factory=factory)
+    if optimizer == "muon":
+        from megatron_composer.optim import ShardedMuon
+
+        assert isinstance(tr.optimizer.muon, ShardedMuon) == (sharding == "hsdp")
     if load:
         meta = ck.load_checkpoint(load, tr.model, tr.optimizer)
         tr.state.iteration, tr.state.consumed_samples = meta["iteration"], meta["consumed_samples"]
@@ -67,3 +75,11 @@ def test_hsdp_matches_ddp_world4_ep2(tmp_path):
     ddp = run_distributed(_train, 2, "ddp", 1, None, 2, None, str(tmp_path / "h"))
     assert all(r == hsdp[0] for r in hsdp)  # every rank reports the same global numbers
     _close(hsdp[0][2:], ddp[0])
+
+
+def test_sharded_muon_in_the_loop_matches_unsharded():
+    """--optimizer muon: ShardedMuon on dual-mesh HSDP (world 2, EP=2) takes the
+    same steps as Muon on megatron-core DDP."""
+    hsdp = run_distributed(_train, 2, "hsdp", 2, 2, 3, None, None, "muon")
+    ddp = run_distributed(_train, 2, "ddp", 2, None, 3, None, None, "muon")
+    _close(hsdp[0], ddp[0])

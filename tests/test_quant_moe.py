@@ -139,16 +139,6 @@ def test_precision_errors_name_the_size():
 
 
 # ------------------------------------------------------------------ NVFP4 CPT
-@pytest.fixture(scope="module")
-def data_dir(request):
-    from megatron_composer.data.datasets import default_cpt_data
-
-    # pytest's cache dir: built once, reused while its manifest matches (default_cpt_data checks)
-    d = request.config.cache.mkdir("stdlib_cpt_data")
-    default_cpt_data(d, progress=False)
-    return d
-
-
 def _cpt_losses(data_dir, precision, steps=30):
     from megatron_composer.data.datasets import CPTDataset
     from megatron_composer.models import ParallelSizes

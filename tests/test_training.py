@@ -92,15 +92,6 @@ def test_mtp_masks_respect_documents_and_labels():
 
 
 # ---------------------------------------------------------------- end to end
-@pytest.fixture(scope="session")
-def data_dir(tmp_path_factory):
-    from megatron_composer.data.datasets import default_cpt_data
-
-    d = tmp_path_factory.mktemp("data")
-    default_cpt_data(d, progress=False)
-    return d
-
-
 def _run(args, timeout=600):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     return subprocess.run([sys.executable, str(REPO / "pretrain_cpt.py"), *args],
@@ -126,16 +117,18 @@ def test_cpt_end_to_end_loss_falls(data_dir, tmp_path):
     assert "validation loss" in out.stdout
 
 
-def _trainer(dataset, ep=1, iters=8):
+def _trainer(dataset, ep=1, iters=8, optimizer="adam"):
     from megatron_composer.config import get_preset
     from megatron_composer.models import ParallelSizes
+    from megatron_composer.optim.factory import build_muon_optimizer
     from megatron_composer.platform import init_distributed
     from megatron_composer.training.loop import Trainer
 
     init_distributed()
+    factory = (lambda m: build_muon_optimizer(m, lr=3e-3)) if optimizer == "muon" else None
     return Trainer(get_preset("tiny"), ParallelSizes(expert_model_parallel_size=ep), dataset,
                    seq_length=64, micro_batch_size=2, global_batch_size=4, lr=3e-3,
-                   warmup_iters=2, decay_iters=iters)
+                   warmup_iters=2, decay_iters=iters, optimizer_factory=factory)
 
 
 def _dataset(prefix):
@@ -144,19 +137,20 @@ def _dataset(prefix):
     return CPTDataset(prefix, 64, seed=5)
 
 
-def test_resume_reproduces_the_uninterrupted_run(data_dir, tmp_path):
+@pytest.mark.parametrize("optimizer", ["adam", "muon"])
+def test_resume_reproduces_the_uninterrupted_run(data_dir, tmp_path, optimizer):
     from megatron_composer.training import checkpointing as ck
 
     ds = _dataset(str(data_dir / "stdlib_train"))
-    full = _trainer(ds)
+    full = _trainer(ds, optimizer=optimizer)
     ref = [full.step().lm_loss for _ in range(6)]
     ref_params = {k: v.clone() for k, v in ck.model_state_dict(full.model).items()}
 
-    first = _trainer(ds)
+    first = _trainer(ds, optimizer=optimizer)
     losses = [first.step().lm_loss for _ in range(3)]
     ck.save_checkpoint(str(tmp_path), 3, first.model, first.optimizer,
                        {"consumed_samples": first.state.consumed_samples})
-    resumed = _trainer(ds)
+    resumed = _trainer(ds, optimizer=optimizer)
     meta = ck.load_checkpoint(str(tmp_path), resumed.model, resumed.optimizer)
     resumed.state.iteration, resumed.state.consumed_samples = meta["iteration"], meta["consumed_samples"]
     losses += [resumed.step().lm_loss for _ in range(3)]

@@ -37,7 +37,10 @@ def optimizer_factory(args):
         return None
     from ..optim.factory import build_muon_optimizer
 
-    return lambda model: build_muon_optimizer(model, args)
+    return lambda model: build_muon_optimizer(
+        model, lr=args.lr, weight_decay=args.weight_decay, momentum=args.muon_momentum,
+        nesterov=args.muon_nesterov, ns_steps=args.muon_ns_steps, adjust_lr_fn=args.muon_adjust_lr,
+        granularity=args.muon_granularity, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
 
 
 def build_trainer(args, train_ds, model_cfg) -> Trainer:
