@@ -29,22 +29,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 
-class RandomTokens:
-    def __init__(self, n, seq, vocab, seed=0):
-        g = torch.Generator().manual_seed(seed)
-        self.data = torch.randint(0, vocab, (n, seq + 1), generator=g)
-        self.seq = seq
-
-    def __len__(self):
-        return len(self.data)
-
-    def __getitem__(self, i):
-        t = self.data[i]
-        return dict(tokens=t[:-1], labels=t[1:], loss_mask=torch.ones(self.seq),
-                    position_ids=torch.arange(self.seq),
-                    cu_seqlens=torch.tensor([0, self.seq], dtype=torch.int32))
-
-
 def baseline_step_fn(cfg, seq, mbs, data):
     """A plain megatron-core GPT training step of the same size."""
     import torch.nn.functional as F
@@ -116,6 +100,7 @@ def main():
     args = ap.parse_args()
 
     from megatron_composer.config import get_preset
+    from megatron_composer.data.datasets import RandomTokenDataset
     from megatron_composer.models import ParallelSizes
     from megatron_composer.platform import init_distributed
     from megatron_composer.training.loop import Trainer, initialize_parallel
@@ -123,7 +108,7 @@ def main():
     init_distributed()
     cfg = get_preset("tiny")
     seq, mbs = args.seq_length, args.micro_batch_size
-    data = RandomTokens(64, seq, cfg.vocab_size)
+    data = RandomTokenDataset(64, seq, cfg.vocab_size)
     tokens = seq * mbs
 
     ours = Trainer(cfg, ParallelSizes(), data, seq_length=seq, micro_batch_size=mbs, warmup_iters=0)

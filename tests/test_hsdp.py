@@ -3,21 +3,8 @@ checkpoints load under DDP (and vice versa)."""
 import pytest
 import torch
 
+from megatron_composer.data.datasets import RandomTokenDataset
 from tests.distributed import run_distributed
-
-
-class _Tokens:
-    def __init__(self, n=32, seq=64, vocab=4096):
-        self.data = torch.randint(0, vocab, (n, seq + 1), generator=torch.Generator().manual_seed(0))
-        self.seq = seq
-
-    def __len__(self):
-        return len(self.data)
-
-    def __getitem__(self, i):
-        t = self.data[i]
-        return dict(tokens=t[:-1], labels=t[1:], loss_mask=torch.ones(self.seq),
-                    position_ids=torch.arange(self.seq), cu_seqlens=torch.tensor([0, self.seq], dtype=torch.int32))
 
 
 def _train(rank, world, sharding, ep, shard, steps, save=None, load=None, optimizer="adam"):
@@ -32,7 +19,7 @@ def _train(rank, world, sharding, ep, shard, steps, save=None, load=None, optimi
     factory = None
     if optimizer == "muon":
         factory = lambda m: build_muon_optimizer(m, lr=1e-3, granularity="head")  # noqa: E731
-    tr = Trainer(get_preset("tiny"), ParallelSizes(expert_model_parallel_size=ep), _Tokens(),
+    tr = Trainer(get_preset("tiny"), ParallelSizes(expert_model_parallel_size=ep), RandomTokenDataset(32, 64, 4096),
                  seq_length=64, micro_batch_size=1, global_batch_size=4, warmup_iters=0, decay_iters=4,
                  data_parallel_sharding=sharding, dense_shard_size=shard, optimizer_factory=factory)
     if optimizer == "muon":

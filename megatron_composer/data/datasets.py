@@ -555,3 +555,24 @@ def default_sft_data(
             _log(f"{path}: {count} synthetic SFT conversations")
         manifest_path.write_text(json.dumps(expected))
     return train_path, valid_path
+
+
+# ---------------------------------------------------------------- synthetic
+
+
+class RandomTokenDataset(torch.utils.data.Dataset):
+    """Seeded uniform random tokens in the CPT sample format (one document per
+    row): for benchmarks and parallelism tests that need no real text."""
+
+    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.data = torch.randint(0, vocab_size, (num_samples, seq_length + 1), generator=g)
+        self.seq_length = seq_length
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> dict:
+        row = self.data[index]
+        seq = self.seq_length
+        return _sample_dict(row[:-1], row[1:], torch.ones(seq), np.array([0, seq], dtype=np.int32))
