@@ -11,7 +11,6 @@ A failure on any rank re-raises in the test with that rank's traceback.
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import traceback
 
@@ -20,16 +19,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank, world_size, port, outdir, fn, args, kwargs):
+def _worker(rank, world_size, outdir, fn, args, kwargs):
     os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank),
@@ -38,7 +29,9 @@ def _worker(rank, world_size, port, outdir, fn, args, kwargs):
     torch.set_num_threads(1)
     path = os.path.join(outdir, f"rank{rank}.pt")
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        # a file rendezvous: no TCP port to race for with other jobs on the machine
+        dist.init_process_group("gloo", init_method=f"file://{outdir}/rendezvous",
+                                rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args, **kwargs)
         torch.save({"ok": True, "result": result}, path)
     except BaseException:  # noqa: BLE001 - reported to the parent
@@ -51,10 +44,9 @@ def _worker(rank, world_size, port, outdir, fn, args, kwargs):
 
 def run_distributed(fn, world_size: int, *args, **kwargs):
     with tempfile.TemporaryDirectory() as outdir:
-        port = free_port()
         ctx = mp.spawn(
             _worker,
-            args=(world_size, port, outdir, fn, args, kwargs),
+            args=(world_size, outdir, fn, args, kwargs),
             nprocs=world_size,
             join=False,
         )

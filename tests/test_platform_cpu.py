@@ -126,3 +126,18 @@ def test_device_context_still_applies_to_factories():
     with torch.device("meta"):
         assert torch.arange(3).device.type == "meta"
         assert torch.zeros(2).device.type == "meta"
+
+
+def test_torch_compile_runs_eagerly_on_cpu():
+    import torch._dynamo
+
+    assert torch._dynamo.config.disable is True
+    calls = []
+
+    @torch.compile
+    def f(x):
+        calls.append(1)  # a Python side effect: runs on every call only when eager
+        return x * 2
+
+    f(torch.ones(2)), f(torch.ones(2))
+    assert len(calls) == 2

@@ -217,12 +217,13 @@ def zigzag_split(x: torch.Tensor, layout: ZigzagLayout, rank: int, dim: int = 1)
     Returns:
         [..., local_length, ...], tokens in local (zigzag) order.
     """
-    return x.index_select(dim, _local_indices(layout, rank))
+    return x.index_select(dim, _local_indices(layout, rank).to(x.device))
 
 
 def zigzag_merge(parts: Sequence[torch.Tensor], layout: ZigzagLayout, dim: int = 1) -> torch.Tensor:
     """Inverse of `zigzag_split`: the per-rank tensors (rank order) back in global order."""
-    return torch.cat(list(parts), dim=dim).index_select(dim, _unzigzag_index(layout))
+    merged = torch.cat(list(parts), dim=dim)
+    return merged.index_select(dim, _unzigzag_index(layout).to(merged.device))
 
 
 @dataclass(frozen=True)
@@ -347,7 +348,7 @@ class ShiftPlan:
     """Index plan of a left shift by `shift` tokens (within each document) under CP.
 
     heads: [k] local positions every rank contributes to the all-gather (the
-        first `shift` tokens of each of its chunks); source: [local_length]
+        first min(shift, chunk) tokens of each chunk); source: [local_length]
         index into cat(local tokens, all-gathered heads in rank order);
         valid: [local_length] bool, False where t + shift leaves the document.
     """
@@ -401,8 +402,8 @@ def cp_shift_left(x: torch.Tensor, shift: int, fill, layout: ZigzagLayout, rank:
 
     Token t's value becomes token t+shift's (same document), which may live on
     another CP rank: each rank all-gathers the first min(shift, chunk) tokens
-    of each of its chunks (2 * shift per document, never the full sequence). No gradient flows
-    (used for labels, masks and the detached MTP teacher).
+    of each of its chunks (<= 2 * shift per document, never the sequence).
+    No gradient flows (used for labels, masks and the detached MTP teacher).
 
     Args:
         x: [b, local_length, ...] in local zigzag order.
@@ -411,11 +412,11 @@ def cp_shift_left(x: torch.Tensor, shift: int, fill, layout: ZigzagLayout, rank:
     """
     plan = shift_plan(layout, rank, shift)
     with torch.no_grad():
-        heads = x.index_select(1, plan.heads).movedim(1, 0).contiguous()  # [k, b, ...]
+        heads = x.index_select(1, plan.heads.to(x.device)).movedim(1, 0).contiguous()  # [k, b, ...]
         gathered = torch.empty((layout.cp_size * heads.shape[0], *heads.shape[1:]),
                                dtype=heads.dtype, device=heads.device)
         all_gather_single(gathered, heads, group=group)
         pool = torch.cat([x, gathered.movedim(0, 1)], dim=1)
-        out = pool.index_select(1, plan.source)
-        mask = (~plan.valid).view(1, -1, *([1] * (x.dim() - 2)))
+        out = pool.index_select(1, plan.source.to(x.device))
+        mask = (~plan.valid).to(x.device).view(1, -1, *([1] * (x.dim() - 2)))
         return out.masked_fill(mask, fill)

@@ -18,6 +18,7 @@ source of truth: `SHIMS` is built from it and `apply_cpu_shims` walks it.
 | alltoall_splits | `moe_utils.maybe_move_tensor_to_cpu` gives the alltoall dispatcher its split sizes | gloo `all_to_all_single` needs Python ints, not a tensor | converts the split tensor to a list |
 | mla_te_branch | `multi_latent_attention.HAVE_TE` guards TE-only branches | megatron's TE extension module imports without TE, so the flag is True | set False when `transformer_engine` is not installed |
 | router_gemm | `moe_utils.RouterGatingLinearFunction` tests `te_general_gemm is not None` | without TE the name is never defined (NameError) | define it as `None`, selecting megatron's own torch.mm path |
+| torch_compile | `torch.compile` on megatron helpers (e.g. `TopKRouter._apply_expert_bias`) | compiles with the C++ toolchain on first use, ~5 CPU-seconds per process, no gain at CPU sizes | dynamo disabled (eager, same results); `MEGATRON_COMPOSER_CPU_COMPILE=1` keeps it |
 
 Anything not in the table is a bug to report, not to patch silently.
 """
@@ -243,6 +244,15 @@ def _shim_router_gemm():
         moe_utils.te_general_gemm = None
 
 
+def _shim_torch_compile():
+    import os
+
+    if os.environ.get("MEGATRON_COMPOSER_CPU_COMPILE") != "1":
+        import torch._dynamo
+
+        torch._dynamo.config.disable = True
+
+
 SHIMS: tuple[Shim, ...] = (
     Shim("current_device", _shim_current_device),
     Shim("cuda_rng_state", _shim_cuda_rng_state),
@@ -254,6 +264,7 @@ SHIMS: tuple[Shim, ...] = (
     Shim("alltoall_splits", _shim_alltoall_splits),
     Shim("mla_te_branch", _shim_mla_te_branch),
     Shim("router_gemm", _shim_router_gemm),
+    Shim("torch_compile", _shim_torch_compile),
 )
 
 _applied: list[str] = []

@@ -3,8 +3,10 @@
 One optimizer step:
   1. read this DP rank's micro-batches for the global batch (deterministic
      in the number of consumed samples, so a resumed run reads the same data);
-  2. count the loss tokens of the whole global batch (one all-reduce), so the
-     loss is a per-token mean that does not depend on how the batch is split;
+     under context parallelism each CP rank keeps its zigzag share;
+  2. count the loss tokens of the whole global batch (one all-reduce over
+     DP x CP), so the loss is a per-token mean that does not depend on how
+     the batch is split;
   3. forward/backward each micro-batch: LM loss + MTP loss (self-distillation
      toward the main head, or CE);
   4. megatron-core `finalize_model_grads`: DP/EP gradient reduction and the
