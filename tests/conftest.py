@@ -20,6 +20,7 @@ def data_dir(request):
     """
     from megatron_composer.data.datasets import default_cpt_data
 
-    d = request.config.cache.mkdir("stdlib_cpt_data")
+    cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider
+    d = cache.mkdir("stdlib_cpt_data") if cache is not None else request.getfixturevalue("tmp_path_factory").mktemp("data")
     default_cpt_data(d, progress=False)
     return d
