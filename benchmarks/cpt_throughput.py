@@ -12,9 +12,12 @@ Both run in this one process, alternately, on the same random tokens:
   no MTP, none of our extensions) with its built-in loss, the same DDP
   wrapper and AdamW.
 
-Prints the median step time of each, tokens/s, and ours/baseline; the ratio
-is also given with MTP switched off in ours (MTP adds one more transformer
-layer of work per token).
+Prints the median step time of each, tokens/s, and ours/baseline for the
+same work: both with one MTP layer (the baseline with megatron-core's own MTP
+block and cross-entropy MTP loss, ours with self-distillation), and both
+without MTP. MTP adds a transformer layer and a second vocabulary
+projection per token, which in the tiny model (vocab 4096, hidden 128)
+costs about as much as the rest of the step.
 """
 from __future__ import annotations
 
@@ -29,8 +32,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 
-def baseline_step_fn(cfg, seq, mbs, data):
-    """A plain megatron-core GPT training step of the same size."""
+def baseline_step_fn(cfg, seq, mbs, data, mtp: bool = False):
+    """A plain megatron-core GPT training step of the same size (with
+    megatron-core's own MTP block and its cross-entropy MTP loss if `mtp`)."""
     import torch.nn.functional as F
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -50,12 +54,14 @@ def baseline_step_fn(cfg, seq, mbs, data):
         gradient_accumulation_fusion=False, bias_activation_fusion=False,
         bias_dropout_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
         persist_layer_norm=False, use_cpu_initialization=True,
+        mtp_num_layers=cfg.mtp_num_layers if mtp else None,
     )
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
 
     block = get_gpt_decoder_block_spec(tconfig, use_transformer_engine=False, normalization="RMSNorm")
+    mtp_spec = get_gpt_mtp_block_spec(tconfig, block, use_transformer_engine=False) if mtp else None
     model = GPTModel(config=tconfig, transformer_layer_spec=block, vocab_size=cfg.vocab_size,
-                     max_sequence_length=seq, position_embedding_type="rope")
+                     max_sequence_length=seq, position_embedding_type="rope", mtp_block_spec=mtp_spec)
     model = DistributedDataParallel(
         config=tconfig, module=model,
         ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True))
@@ -116,8 +122,10 @@ def main():
                           micro_batch_size=mbs, warmup_iters=0)
     initialize_parallel(ParallelSizes(), seed=1234)
     base = baseline_step_fn(cfg, seq, mbs, data)
+    base_mtp = baseline_step_fn(cfg, seq, mbs, data, mtp=True)
 
-    runs = {"ours": ours.step, "ours (no MTP)": ours_no_mtp.step, "megatron-core baseline": base}
+    runs = {"ours": ours.step, "megatron-core + its MTP": base_mtp,
+            "ours (no MTP)": ours_no_mtp.step, "megatron-core baseline": base}
     for fn in runs.values():
         for _ in range(args.warmup):
             fn()
@@ -134,8 +142,10 @@ def main():
     for name, t in med.items():
         print(f"{name:>24}: {t * 1000:8.1f} ms/step  {tokens / t:9.0f} tokens/s")
     base_t = med["megatron-core baseline"]
-    print(f"ratio ours/baseline tokens/s: {base_t / med['ours']:.3f} (with MTP), "
-          f"{base_t / med['ours (no MTP)']:.3f} (MTP off); target >= 0.9")
+    print(f"ratio ours/baseline tokens/s, same work: {med['megatron-core + its MTP'] / med['ours']:.3f} "
+          f"(both with one MTP layer), {base_t / med['ours (no MTP)']:.3f} (both without MTP); "
+          f"target >= 0.9")
+    print(f"ratio ours (with MTP) / baseline without MTP: {base_t / med['ours']:.3f}")
 
 
 if __name__ == "__main__":

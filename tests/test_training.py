@@ -262,3 +262,15 @@ def test_mtp_added_to_a_checkpoint_trained_without_it(data_dir, tmp_path):
     trunk = "decoder.layers.0.self_attention.linear_proj.weight"
     assert torch.equal(tensor(str(tmp_path / "a"), trunk), tensor(str(tmp_path / "b"), trunk))  # frozen
     assert tensor(str(tmp_path / "b"), "mtp.layers.0.eh_proj.weight").shape == (128, 256)
+
+
+def test_losses_do_not_depend_on_the_logits_memory_layout():
+    g = torch.Generator().manual_seed(3)
+    sbv = torch.randn(6, 2, 9, generator=g)  # megatron's [s, b, v] storage
+    labels, mask = torch.randint(0, 9, (2, 6), generator=g), (torch.rand(2, 6, generator=g) > 0.3).float()
+    a = lm_loss(sbv.transpose(0, 1), labels, mask)
+    b = lm_loss(sbv.transpose(0, 1).contiguous(), labels, mask)
+    torch.testing.assert_close(a, b)
+    a = mtp_cross_entropy_loss(sbv.transpose(0, 1), labels, mask, 1)
+    b = mtp_cross_entropy_loss(sbv.transpose(0, 1).contiguous(), labels, mask, 1)
+    torch.testing.assert_close(a, b)

@@ -30,9 +30,20 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor)
     Returns:
         (sum of masked losses: scalar, number of counted tokens: scalar).
     """
-    per_token = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none")
-    mask = loss_mask.flatten().float()
+    logits, (labels, loss_mask) = storage_order(logits, labels, loss_mask)
+    per_token = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), reduction="none")
+    mask = loss_mask.reshape(-1).float()
     return (per_token * mask).sum(), mask.sum()
+
+
+def storage_order(logits: torch.Tensor, *per_token: torch.Tensor):
+    """`logits` [b, s, v] and its [b, s] companions, viewed in the order the
+    logits are stored in: megatron-core produces [s, b, v], and
+    `composer_forward` returns its transpose, so flattening that view would
+    copy the whole logits tensor. Sums over tokens do not depend on the order."""
+    if logits.dim() == 3 and not logits.is_contiguous() and logits.transpose(0, 1).is_contiguous():
+        return logits.transpose(0, 1), [t.transpose(0, 1) for t in per_token]
+    return logits, list(per_token)
 
 
 def mtp_valid_mask(
@@ -97,5 +108,7 @@ def mtp_cross_entropy_loss(
     """DeepSeek-V3's MTP loss: cross-entropy on the token `depth` further ahead."""
     valid = mtp_valid_mask(loss_mask, depth, segment_ids, shift)
     shifted = shift(labels, depth, 0)
-    per_token = F.cross_entropy(mtp_logits.flatten(0, 1).float(), shifted.flatten(), reduction="none")
-    return (per_token * valid.flatten()).sum(), valid.sum()
+    mtp_logits, (shifted, valid) = storage_order(mtp_logits, shifted, valid)
+    per_token = F.cross_entropy(mtp_logits.reshape(-1, mtp_logits.shape[-1]).float(), shifted.reshape(-1),
+                                reduction="none")
+    return (per_token * valid.reshape(-1)).sum(), valid.sum()
