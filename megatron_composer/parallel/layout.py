@@ -61,7 +61,7 @@ class ParallelLayout:
     # ---- construction -------------------------------------------------------
     @classmethod
     def from_sizes(cls, world_size: int, sizes, num_experts: Optional[int] = None) -> "ParallelLayout":
-        """From a `models.ParallelSizes` (the CLI's sizes)."""
+        """From a `models.ParallelSizes`, or parsed `pretrain_cpt.py` args (same field names)."""
         return cls(
             world_size=world_size,
             tp=sizes.tensor_model_parallel_size,
@@ -69,19 +69,6 @@ class ParallelLayout:
             pp=sizes.pipeline_model_parallel_size,
             ep=sizes.expert_model_parallel_size,
             etp=sizes.expert_tensor_parallel_size,
-            num_experts=num_experts,
-        )
-
-    @classmethod
-    def from_args(cls, args, world_size: int, num_experts: Optional[int] = None) -> "ParallelLayout":
-        """From parsed `pretrain_cpt.py` flags (Megatron-LM's names)."""
-        return cls(
-            world_size=world_size,
-            tp=args.tensor_model_parallel_size,
-            cp=args.context_parallel_size,
-            pp=args.pipeline_model_parallel_size,
-            ep=args.expert_model_parallel_size,
-            etp=args.expert_tensor_parallel_size,
             num_experts=num_experts,
         )
 
