@@ -46,18 +46,11 @@ def reduce_scatter_sum(x: torch.Tensor, group) -> torch.Tensor:
     Args:
         x: [cp * s, ...] rank-major (rows r*s..(r+1)*s belong to rank r).
     Returns:
-        [s, ...]. Backends without reduce_scatter (older gloo) fall back to an
-        all-reduce followed by a slice: same result, cp times the traffic.
+        [s, ...]. (NCCL and gloo both implement reduce_scatter, as FSDP2 needs.)
     """
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    size = dist.get_world_size(group)
     out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    x = x.contiguous()
-    try:
-        reduce_scatter_single(out, x, group=group)
-    except (RuntimeError, NotImplementedError):
-        x = x.clone()
-        dist.all_reduce(x, group=group)
-        out = x.narrow(0, rank * out.shape[0], out.shape[0]).contiguous()
+    reduce_scatter_single(out, x.contiguous(), group=group)
     return out
 
 
