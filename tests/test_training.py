@@ -274,3 +274,29 @@ def test_losses_do_not_depend_on_the_logits_memory_layout():
     a = mtp_cross_entropy_loss(sbv.transpose(0, 1), labels, mask, 1)
     b = mtp_cross_entropy_loss(sbv.transpose(0, 1).contiguous(), labels, mask, 1)
     torch.testing.assert_close(a, b)
+
+
+def test_sft_stage_trains_on_assistant_tokens_only(data_dir, tmp_path):
+    import shutil
+
+    work = tmp_path / "data"
+    shutil.copytree(data_dir, work)  # the SFT JSONL is built next to the cached CPT data
+    out = _run(["--stage", "sft", "--data-cache-dir", str(work), "--train-iters", "3",
+                "--seq-length", "128", "--micro-batch-size", "2", "--save", str(tmp_path / "sft")])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "> stage sft" in out.stdout and len(_losses(out.stdout)) == 3
+    from megatron_composer.data.datasets import SFTDataset
+    from megatron_composer.data.tokenizer import Tokenizer
+
+    tok = Tokenizer(work / "tokenizer.model")
+    sample = SFTDataset(work / "stdlib_sft_train.jsonl", tok, 128)[0]
+    trained = sample["labels"][sample["loss_mask"] > 0].tolist()
+    assert trained and tok.chat["user"] not in trained  # loss only on assistant content and <|end|>
+    assert 0 < sample["loss_mask"].sum() < 128
+
+
+def test_256k_stage_runs_at_its_tiny_length(data_dir, tmp_path):
+    out = _run(["--stage", "cpt-256k", "--data-cache-dir", str(data_dir), "--train-iters", "1",
+                "--micro-batch-size", "1", "--eval-iters", "1"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "seq-length 4096" in out.stdout and "consumed tokens: 4096" in out.stdout
