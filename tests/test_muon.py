@@ -120,7 +120,12 @@ def test_fp32_updates_equal_reference(nesterov, weight_decay):
     ours = Muon(ps, lr=0.02, weight_decay=weight_decay, nesterov=nesterov, ns_dtype=torch.float32)
     ref = ReferenceMuon(qs, 0.02, weight_decay, 0.95, nesterov)
     gen = torch.Generator().manual_seed(5)
-    for _ in range(5):
+    _step_and_compare(ours, ref, ps, qs, gen, steps=5)
+
+
+def _step_and_compare(ours, ref, ps, qs, gen, steps):
+    """Feed both optimizers the same random gradients; params must agree to 1e-6."""
+    for _ in range(steps):
         grads = [torch.randn(p.shape, generator=gen) for p in ps]
         for p, g in zip(ps, grads):
             p.grad = g
@@ -149,14 +154,7 @@ def test_splits_orthogonalize_each_block_with_its_own_lr(adjust_lr_fn):
     groups = [{"params": [p], "split": split} for p, (_, split) in zip(ps, specs)]
     ours = Muon(groups, lr=0.03, weight_decay=0.05, adjust_lr_fn=adjust_lr_fn, ns_dtype=torch.float32)
     ref = ReferenceMuon(qs, 0.03, 0.05, 0.95, True, adjust_lr_fn, [_blocks_of(s, sp) for s, sp in specs])
-    for _ in range(3):
-        grads = [torch.randn(p.shape, generator=gen) for p in ps]
-        for p, g in zip(ps, grads):
-            p.grad = g
-        ours.step()
-        ref.step(grads)
-    for p, q in zip(ps, qs):
-        assert (p - q).abs().max() < 1e-6
+    _step_and_compare(ours, ref, ps, qs, gen, steps=3)
 
 
 def test_stacked_experts_equal_a_list_of_expert_params():
