@@ -174,3 +174,16 @@ def training_flops_per_token(c: ModelConfig, seq_length: int) -> float:
     qk = c.qk_head_dim + c.qk_pos_emb_head_dim
     attention = 2 * c.num_attention_heads * (qk + c.v_head_dim) * (seq_length / 2) * layers
     return 3.0 * (2.0 * matmul_weights + attention)
+
+
+def model_config_from_dict(d: dict) -> ModelConfig:
+    """Inverse of `dataclasses.asdict(ModelConfig)`, as stored in a checkpoint's meta.json."""
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ValueError(f"model_config has fields this version does not know: {unknown}; "
+                         "the checkpoint was written by a newer version")
+    d = dict(d)
+    if d.get("yarn") is not None:
+        d["yarn"] = YarnConfig(**d["yarn"])
+    return ModelConfig(**d)

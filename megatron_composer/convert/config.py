@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import asdict, fields
 from typing import Any, Optional
 
-from ..config.model import ModelConfig, YarnConfig
+from ..config.model import ModelConfig, YarnConfig, model_config_from_dict  # noqa: F401 (re-exported)
 
 
 class ConversionError(ValueError):
@@ -287,16 +287,3 @@ def hf_config_from_model(cfg: ModelConfig, base: Optional[dict] = None, dtype: s
         torch_dtype=dtype,
     )
     return hf
-
-
-def model_config_from_dict(d: dict[str, Any]) -> ModelConfig:
-    """Inverse of `dataclasses.asdict(ModelConfig)` as stored in meta.json."""
-    known = {f.name for f in fields(ModelConfig)}
-    unknown = sorted(set(d) - known)
-    if unknown:
-        raise ConversionError(f"meta.json model_config has fields this version does not know: {unknown}")
-    d = dict(d)
-    if d.get("yarn") is not None:
-        d["yarn"] = YarnConfig(**d["yarn"])
-    return ModelConfig(**d)
-

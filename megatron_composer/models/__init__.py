@@ -1,4 +1,4 @@
-from .builder import ParallelSizes, build_model, transformer_config
-from .forward import composer_forward, unwrap
+from .builder import build_model, transformer_config
+from .forward import composer_forward
 
-__all__ = ["ParallelSizes", "build_model", "composer_forward", "transformer_config", "unwrap"]
+__all__ = ["build_model", "composer_forward", "transformer_config"]

@@ -37,28 +37,20 @@ from ..attention.core import MLACoreAttention
 from ..attention.cp import ContextParallelMLASelfAttention, ZigzagCoreAttention
 from ..config.model import ModelConfig
 from ..moe import quantized_dispatch_spec, quantized_experts_spec
-
-
-@dataclasses.dataclass(frozen=True)
-class ParallelSizes:
-    """The parallel sizes megatron-core's config needs to know about."""
-
-    tensor_model_parallel_size: int = 1
-    context_parallel_size: int = 1
-    expert_model_parallel_size: int = 1
-    expert_tensor_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
+from ..parallel.layout import ParallelLayout
 
 
 def transformer_config(
     cfg: ModelConfig,
-    parallel: ParallelSizes = ParallelSizes(),
+    layout: Optional[ParallelLayout] = None,
     params_dtype: torch.dtype = torch.float32,
     mtp_loss_scaling_factor: float = 0.1,
     **overrides,
 ) -> MLATransformerConfig:
-    """Map a `ModelConfig` onto megatron-core's `MLATransformerConfig`."""
+    """Map a `ModelConfig` and a parallel layout (default: one rank) onto
+    megatron-core's `MLATransformerConfig`."""
     cfg.validate()
+    layout = layout or ParallelLayout(world_size=1)
     yarn = cfg.yarn
     moe = cfg.num_moe_layers > 0
     kwargs = dict(
@@ -101,12 +93,12 @@ def transformer_config(
         persist_layer_norm=False,
         mtp_num_layers=cfg.mtp_num_layers or None,
         mtp_loss_scaling_factor=mtp_loss_scaling_factor,
-        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
-        context_parallel_size=parallel.context_parallel_size,
-        expert_model_parallel_size=parallel.expert_model_parallel_size,
-        expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
-        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
-        sequence_parallel=parallel.tensor_model_parallel_size > 1,
+        tensor_model_parallel_size=layout.tp,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+        pipeline_model_parallel_size=layout.pp,
+        sequence_parallel=layout.tp > 1,
         use_cpu_initialization=not torch.cuda.is_available(),
     )
     if moe:
@@ -180,7 +172,7 @@ def _copy_spec(spec):
 
 def build_model(
     cfg: ModelConfig,
-    parallel: ParallelSizes = ParallelSizes(),
+    layout: Optional[ParallelLayout] = None,
     params_dtype: torch.dtype = torch.float32,
     seq_length: Optional[int] = None,
     pg_collection=None,
@@ -195,9 +187,9 @@ def build_model(
     or "mxfp8" (EP dispatch payload). See `megatron_composer.moe`.
 
     Needs megatron-core's parallel state (or `pg_collection`) to be set up,
-    which `platform.init_distributed` + `parallel` layouts do.
+    which `platform.init_distributed` + `parallel.initialize_parallel(layout)` do.
     """
-    tconfig = transformer_config(cfg, parallel, params_dtype, **config_overrides)
+    tconfig = transformer_config(cfg, layout, params_dtype, **config_overrides)
     block = composer_block_spec(tconfig, moe_expert_precision, moe_dispatch_precision, pg_collection)
     mtp = get_gpt_mtp_block_spec(tconfig, block, use_transformer_engine=False) if cfg.mtp_num_layers else None
     extra = {"pg_collection": pg_collection} if pg_collection is not None else {}

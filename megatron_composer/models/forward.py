@@ -14,12 +14,7 @@ from typing import Optional
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-
-def unwrap(model):
-    """The GPTModel inside DDP / FSDP / Float16 wrappers."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model
+from ..parallel.wrappers import unwrap
 
 
 def composer_forward(

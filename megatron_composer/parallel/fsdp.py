@@ -94,58 +94,25 @@ def _sum_gradients(module) -> None:
     module.set_force_sum_reduction_for_comms(True)
 
 
-def apply_dual_mesh_hsdp(model, dense: DeviceMesh, experts: DeviceMesh):
-    """Shard `model` (a GPTModel) in place: experts over `experts`, the rest over `dense`."""
+def apply_dual_mesh_hsdp(model, dense: DeviceMesh, experts: DeviceMesh, mp_policy=None):
+    """Shard `model` (a GPTModel) in place: experts over `experts`, the rest over `dense`.
+
+    `mp_policy`: an FSDP2 `MixedPrecisionPolicy` (bf16 compute over fp32 shards), or None.
+    """
+    extra = {"mp_policy": mp_policy} if mp_policy is not None else {}
     if model.share_embeddings_and_output_weights:
         raise ValueError("HSDP sharding needs untied embeddings and output weights "
                          "(untie_embeddings_and_output_weights=True)")
     for module in _routed_experts(model):
-        fully_shard(module, mesh=experts)
+        fully_shard(module, mesh=experts, **extra)
         _sum_gradients(module)
         for p in module.parameters():
             p.allreduce = False  # megatron's expert mark; fully_shard made new Parameters
     for module in list(_layers(model)) + list(_top_level_modules(model)):
-        fully_shard(module, mesh=dense)
+        fully_shard(module, mesh=dense, **extra)
         _sum_gradients(module)
     leftovers = [n for n, p in model.named_parameters()
                  if not type(p).__name__ == "DTensor" and not hasattr(p, "_local_tensor")]
     if leftovers:
         raise RuntimeError(f"parameters outside every sharded module: {leftovers[:5]}")
     return model
-
-
-def sharded_grad_norm(params, expert_model_parallel_group=None) -> torch.Tensor:
-    """Global L2 grad norm of FSDP2 (DTensor) parameters.
-
-    Squares are summed locally per mesh, all-reduced over that mesh's ranks
-    (shards are disjoint; replicas are counted once by taking only the shard
-    dimension), then expert norms are summed over EP (different experts).
-    """
-    from torch.distributed.tensor import DTensor
-
-    by_mesh: dict[int, list] = {}
-    meshes = {}
-    for p in params:
-        g = p.grad
-        if g is None:
-            continue
-        local = g.to_local() if isinstance(g, DTensor) else g
-        key = id(g.device_mesh) if isinstance(g, DTensor) else 0
-        meshes.setdefault(key, g.device_mesh if isinstance(g, DTensor) else None)
-        expert = not getattr(p, "allreduce", True)
-        by_mesh.setdefault((key, expert), []).append(local.detach().double().pow(2).sum())
-    total = torch.zeros((), dtype=torch.float64)
-    expert_total = torch.zeros((), dtype=torch.float64)
-    for (key, expert), squares in by_mesh.items():
-        s = torch.stack(squares).sum()
-        mesh = meshes[key]
-        if mesh is not None:
-            shard_dim = mesh.mesh_dim_names.index("shard") if mesh.mesh_dim_names and "shard" in mesh.mesh_dim_names else mesh.ndim - 1
-            dist.all_reduce(s, group=mesh.get_group(shard_dim))
-        if expert:
-            expert_total += s
-        else:
-            total += s
-    if expert_model_parallel_group is not None and dist.get_world_size(expert_model_parallel_group) > 1:
-        dist.all_reduce(expert_total, group=expert_model_parallel_group)
-    return (total + expert_total).sqrt()

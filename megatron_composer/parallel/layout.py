@@ -61,7 +61,8 @@ class ParallelLayout:
     # ---- construction -------------------------------------------------------
     @classmethod
     def from_sizes(cls, world_size: int, sizes, num_experts: Optional[int] = None) -> "ParallelLayout":
-        """From a `models.ParallelSizes`, or parsed `pretrain_cpt.py` args (same field names)."""
+        """From parsed `pretrain_cpt.py` args, or anything with Megatron's size names
+        (`tensor_model_parallel_size`, `context_parallel_size`, ...)."""
         return cls(
             world_size=world_size,
             tp=sizes.tensor_model_parallel_size,
@@ -189,3 +190,15 @@ class ParallelLayout:
                 raise RuntimeError(f"megatron-core built {name} group {live} for rank {rank}, "
                                    f"layout expected {self.group_of(name, rank)}")
         return pgs
+
+
+def initialize_parallel(layout: ParallelLayout, seed: int) -> ProcessGroupCollection:
+    """megatron-core parallel state for `layout` (replacing any previous one) and
+    seeded RNGs: torch's, and megatron's model-parallel RNG tracker."""
+    import torch
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    pgs = layout.initialize()
+    model_parallel_cuda_manual_seed(seed)
+    torch.manual_seed(seed)
+    return pgs

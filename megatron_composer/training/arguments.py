@@ -4,36 +4,20 @@ Flags that Megatron-LM has keep its names and meanings (`--seq-length`,
 `--micro-batch-size`, `--expert-model-parallel-size`, ...). Model-shape flags
 override fields of the `--model-preset`. The `--stage` fills in what the
 stage decides (sequence length, data, losses) unless given explicitly.
+Each flag's destination is the field name of the typed config it fills
+(`config.TrainingConfig` and its nested configs, `config.ModelConfig`).
+
+`parse_args` leaves argparse's own errors (unknown flags, bad types) to
+argparse; every check of values raises `ValueError` naming the flag.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-from dataclasses import dataclass
 from typing import Optional
 
-from ..config import PRESETS, ModelConfig, get_preset
+from ..config import PRESETS, STAGES, ModelConfig, TrainingConfig, get_preset, stage_seq_length
 
-
-@dataclass(frozen=True)
-class Stage:
-    """What a training stage decides, at full scale."""
-
-    name: str
-    seq_length: int
-    data: str  # "cpt" (plain text) or "sft" (chat, loss on assistant tokens)
-    context_parallel_size: int  # the recipe's CP for this stage on a cluster
-    description: str
-
-
-STAGES = {
-    "cpt-32k": Stage("cpt-32k", 32768, "cpt", 1, "continued pretraining on code at 32K"),
-    "cpt-256k": Stage("cpt-256k", 262144, "cpt", 8, "long-context extension to 256K"),
-    "sft": Stage("sft", 32768, "sft", 1, "short SFT on coding tasks (loss on assistant tokens)"),
-}
-
-# The tiny CPU preset keeps each stage's shape with lengths divided by 64.
-TINY_LENGTH_DIVISOR = 64
 
 # Model flags: CLI name -> ModelConfig field.
 _MODEL_FLAGS = {
@@ -71,7 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name, typ in _MODEL_FLAGS.items():
         g.add_argument("--" + name.replace("_", "-"), type=typ, default=None,
                        help=f"override the preset's {name}")
-    g.add_argument("--bf16", action="store_true", help="bf16 parameters and compute")
+    g.add_argument("--bf16", action="store_true",
+                   help="bf16 parameters and compute for forward and backward; fp32 main weights, "
+                        "gradient accumulation and optimizer state")
 
     g = p.add_argument_group("data")
     g.add_argument("--data-path", default=None,
@@ -118,11 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1)
     g.add_argument("--mtp-freeze-trunk", action="store_true",
                    help="train only the MTP modules (MTP added to a mid-CPT checkpoint)")
+    g.add_argument("--max-skipped-iterations", type=int, default=5,
+                   help="stop the run after this many consecutive iterations skipped for a "
+                        "non-finite gradient norm")
 
     g = p.add_argument_group("low precision")
     g.add_argument("--moe-expert-precision", choices=["bf16", "mxfp8", "nvfp4"], default="bf16",
-                   help="routed-expert GEMMs: bf16 (megatron's SequentialMLP), mxfp8, or nvfp4 "
-                        "(per-token-scaled NVFP4 forward, MXFP8 backward); exact CPU emulation")
+                   help="routed-expert GEMMs: bf16 = unquantized, in the model's dtype (fp32, or "
+                        "bf16 with --bf16); mxfp8; or nvfp4 (per-token-scaled NVFP4 forward, MXFP8 "
+                        "backward); the quantized ones are an exact emulation")
     g.add_argument("--moe-dispatch-precision", choices=["bf16", "mxfp8"], default="bf16",
                    help="EP alltoall dispatch payload: mxfp8 sends E4M3 data + E8M0 scales "
                         "(hidden size a multiple of 32); combine stays bf16")
@@ -140,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dense-shard-size", type=int, default=None,
                    help="HSDP shard group size for dense weights (a multiple of CP); "
                         "default: max(CP, 2)")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10,
+                   help="timeout of collectives: a rank that stops makes the others fail after "
+                        "this long instead of hanging")
 
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", default=None, help="checkpoint directory to write")
@@ -148,6 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--finetune", action="store_true",
                    help="load weights only and restart iteration count, data and optimizer")
+    g.add_argument("--no-verify-checkpoint", dest="verify_checkpoint", action="store_false",
+                   help="skip the per-file checksum check when loading")
+    g.add_argument("--continue-on-save-failure", dest="exit_on_save_failure", action="store_false",
+                   help="keep training when a checkpoint cannot be written (default: stop, "
+                        "keeping the previous checkpoint)")
 
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=1)
@@ -174,47 +172,32 @@ def model_config_from_args(args) -> ModelConfig:
     return cfg
 
 
-def stage_seq_length(args) -> int:
-    stage = STAGES[args.stage]
-    if args.model_preset == "tiny":
-        return stage.seq_length // TINY_LENGTH_DIVISOR
-    return stage.seq_length
-
-
 def parse_args(argv: Optional[list[str]] = None):
-    """Parse and validate; raise SystemExit with a message naming the bad value."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """Parse and validate; raise ValueError naming the bad flag and value."""
+    args = build_parser().parse_args(argv)
     if args.model_preset not in PRESETS:
-        parser.error(f"unknown --model-preset {args.model_preset!r}; choose one of: {', '.join(PRESETS)}")
+        raise ValueError(f"unknown --model-preset {args.model_preset!r}; choose one of: {', '.join(PRESETS)}")
     if args.seq_length is None:
-        args.seq_length = stage_seq_length(args)
+        args.seq_length = stage_seq_length(args.stage, args.model_preset)
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
-    for name in ("micro_batch_size", "train_iters", "seq_length", "tensor_model_parallel_size",
-                 "context_parallel_size", "expert_model_parallel_size"):
+    for name in ("tensor_model_parallel_size", "context_parallel_size", "expert_model_parallel_size",
+                 "expert_tensor_parallel_size", "distributed_timeout_minutes"):
         if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.pipeline_model_parallel_size != 1:
-        parser.error("--pipeline-model-parallel-size > 1 is not supported; the recipe uses "
-                     "CP x EP x FSDP instead of PP")
-    if args.min_lr > args.lr:
-        parser.error(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
+        raise ValueError("--pipeline-model-parallel-size > 1 is not supported; the recipe uses "
+                         "CP x EP x FSDP instead of PP")
     if args.context_parallel_size > 1 and not args.pad_to_multiple:
         from ..parallel.zigzag import check_divisible
 
         try:
             check_divisible([args.seq_length], args.context_parallel_size, packed=False)
         except ValueError as exc:
-            parser.error(f"--seq-length: {exc}")
-    try:
-        cfg = model_config_from_args(args)
-        check_low_precision(args, cfg)
-    except ValueError as exc:
-        parser.error(str(exc))
+            raise ValueError(f"--seq-length: {exc}") from None
+    TrainingConfig.from_args(args)  # validates the values
+    check_low_precision(args, model_config_from_args(args))
     return args
-
-
 def check_low_precision(args, cfg: ModelConfig) -> None:
     """Raise a ValueError naming the size if the model cannot run the chosen MoE precisions."""
     if not cfg.num_experts:

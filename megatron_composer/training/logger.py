@@ -58,6 +58,39 @@ class TrainingLogger:
         if self.wandb is not None:
             self.wandb.log(scalars, step=iteration)
 
+    def log_iteration(self, trainer, window: list) -> None:
+        """The Megatron line (and TensorBoard / wandb scalars) for the steps in
+        `window` (`StepResult`s since the last line; times and tokens are summed)."""
+        if self.rank != 0 or not window:
+            return
+        st, last = trainer.state, window[-1]
+        seconds = sum(r.seconds for r in window)
+        tok_s = sum(r.tokens for r in window) / seconds
+        world = trainer.layout.world_size
+        line = {
+            "consumed samples": st.consumed_samples,
+            "consumed tokens": st.consumed_samples * trainer.cfg.seq_length,
+            "elapsed time per iteration (ms)": 1000.0 * seconds / len(window),
+            "learning rate": last.lr,
+            "global batch size": trainer.global_batch_size,
+            **last.losses,
+            "grad norm": last.grad_norm,
+            "number of skipped iterations": st.skipped_iterations,
+            "tokens/s": tok_s,
+            "throughput per rank (TFLOP/s)": tok_s * trainer.flops_per_token / world / 1e12,
+        }
+        scalars = {name.replace(" ", "-"): value for name, value in last.losses.items()}
+        scalars.update({"learning-rate": last.lr, "grad-norm": last.grad_norm, "tokens-per-sec": tok_s,
+                        "skipped-iterations": st.skipped_iterations})
+        self.log(st.iteration, trainer.cfg.train_iters, line, scalars)
+
+    def validation(self, iteration, loss: float) -> None:
+        """Megatron's validation line; `iteration` None for the end of training."""
+        where = "at the end of training" if iteration is None else f"at iteration {iteration}"
+        self.print(f" validation loss {where} | lm loss value: {loss:.6E} |")
+        if iteration is not None:
+            self.scalars(iteration, {"validation-lm-loss": loss})
+
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
