@@ -10,9 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_composer.data import datasets as data_datasets
-from megatron_composer.data.corpus import EXCLUDED_DIRS, is_held_out, stdlib_corpus, stdlib_root
-from megatron_composer.data.datasets import (
+from megatron_composer.data import (
     CPTDataset,
     SFTDataset,
     build_sft_jsonl,
@@ -23,6 +21,8 @@ from megatron_composer.data.datasets import (
     render_chat,
     row_boundaries,
 )
+from megatron_composer.data import default as data_default
+from megatron_composer.data.corpus import EXCLUDED_DIRS, is_held_out, stdlib_corpus, stdlib_root
 from megatron_composer.data.indexed import (
     IndexedDatasetError,
     build_indexed_dataset,
@@ -375,14 +375,11 @@ def test_sft_render_truncation_and_errors(tmp_path, tokenizer):
     ids, targets = render_chat([{"role": "user", "content": "hi"}], tokenizer, add_generation_prompt=True)
     assert ids[0] == tokenizer.chat["user"] and ids[-1] == tokenizer.chat["assistant"] and not any(targets)
     long = tmp_path / "long.jsonl"
-    long.write_text(
-        json.dumps(_conversation(1))
-        + "\n"
-        + json.dumps({"messages": [{"role": "user", "content": "x"}]})
-        + "\n"
-    )
+    # the second conversation's assistant reply falls past the cut: truncated, then dropped
+    late_reply = [{"role": "user", "content": "x = 1\n" * 40}, {"role": "assistant", "content": "y"}]
+    long.write_text(json.dumps(_conversation(1)) + "\n" + json.dumps({"messages": late_reply}) + "\n")
     dataset = SFTDataset(long, tokenizer, seq_length=24)
-    assert dataset.truncated == 1 and dataset.dropped == 1 and len(dataset) == 1
+    assert dataset.truncated == 2 and dataset.dropped == 1 and len(dataset) == 1
     assert dataset[0]["tokens"].shape == (24,)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "no messages"}\n')
@@ -410,7 +407,7 @@ def test_build_sft_jsonl_is_deterministic_real_code(tmp_path, stdlib_files):
 
 def test_default_cpt_data_builds_once_and_rebuilds_when_damaged(tmp_path, monkeypatch, stdlib_files):
     monkeypatch.setattr(
-        data_datasets,
+        data_default,
         "stdlib_corpus",
         lambda split: stdlib_files[:20] if split == "train" else stdlib_files[20:23],
     )
