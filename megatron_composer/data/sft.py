@@ -133,8 +133,8 @@ class SFTDataset(torch.utils.data.Dataset):
         path: JSONL, one ``{"messages": [{"role", "content"}, ...]}`` per line.
         tokenizer: must have the chat tokens (trained by this package).
         seq_length: tokens per sample.
-        vocab_size: when given, every token id (and the pad id) must be
-            below it; only a tokenizer other than the model's can break this.
+        vocab_size: when given, every token id must be below it; only a
+            tokenizer other than the model's can break this.
     """
 
     def __init__(
@@ -155,8 +155,6 @@ class SFTDataset(torch.utils.data.Dataset):
         self.seq_length = int(seq_length)
         self.pad = tokenizer.pad
         fix = f"(tokenizer {tokenizer.model_path}); tokenize with the model's tokenizer or fix --vocab-size"
-        if vocab_size is not None and self.pad >= vocab_size:
-            raise ValueError(f"pad id {self.pad} >= vocab size {vocab_size} {fix}")
         row = self.seq_length + 1
         self.truncated = self.dropped = 0
         self.conversations: list[tuple[np.ndarray, np.ndarray]] = []
