@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from megatron_composer.config import get_preset  # noqa: E402
-from megatron_composer.parallel.zigzag import ZigzagLayout  # noqa: E402
+from megatron_composer.parallel import ZigzagLayout  # noqa: E402
 
 SEQ_256K = 262144
 

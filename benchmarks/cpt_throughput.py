@@ -106,7 +106,7 @@ def main():
     args = ap.parse_args()
 
     from megatron_composer.config import get_preset
-    from megatron_composer.data.datasets import RandomTokenDataset
+    from megatron_composer.data import RandomTokenDataset
     from megatron_composer.models import ParallelSizes
     from megatron_composer.platform import init_distributed
     from megatron_composer.training.loop import Trainer, initialize_parallel

@@ -201,7 +201,7 @@ def main(argv=None) -> None:
 def cpt_comparison(steps: int, data_dir: str, seq: int = 128, lr: float = 3e-3) -> None:
     """Tiny CPT from one initialization with AdamW and with Muon + AdamW."""
     from megatron_composer.config import get_preset
-    from megatron_composer.data.datasets import CPTDataset, default_cpt_data
+    from megatron_composer.data import CPTDataset, default_cpt_data
     from megatron_composer.models import ParallelSizes
     from megatron_composer.optim.factory import build_muon_optimizer
     from megatron_composer.platform import init_distributed

@@ -18,7 +18,7 @@ def data_dir(request):
     Built once into pytest's cache dir and reused while its manifest matches
     (`default_cpt_data` checks Python, sentencepiece and the file lists).
     """
-    from megatron_composer.data.datasets import default_cpt_data
+    from megatron_composer.data import default_cpt_data
 
     cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider
     d = cache.mkdir("stdlib_cpt_data") if cache is not None else request.getfixturevalue("tmp_path_factory").mktemp("data")

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_composer.config import get_preset
-from megatron_composer.parallel.zigzag import (
+from megatron_composer.parallel import (
     ZigzagLayout,
     pad_batch,
     packed_seq_params_for,

@@ -10,9 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_composer.data import datasets as data_datasets
-from megatron_composer.data.corpus import EXCLUDED_DIRS, is_held_out, stdlib_corpus, stdlib_root
-from megatron_composer.data.datasets import (
+from megatron_composer.data import (
     CPTDataset,
     SFTDataset,
     build_sft_jsonl,
@@ -23,6 +21,8 @@ from megatron_composer.data.datasets import (
     render_chat,
     row_boundaries,
 )
+from megatron_composer.data import default as data_default
+from megatron_composer.data.corpus import EXCLUDED_DIRS, is_held_out, stdlib_corpus, stdlib_root
 from megatron_composer.data.indexed import (
     IndexedDatasetError,
     build_indexed_dataset,
@@ -311,6 +311,29 @@ def test_cpt_too_little_data_error(tmp_path, tokenizer):
         CPTDataset(prefix, 512)
 
 
+def test_cpt_token_ids_outside_vocab_fail_at_load(cpt_prefix, tokenizer):
+    indexed = open_indexed_dataset(cpt_prefix)
+    largest = int(read_tokens(indexed, 0, int(document_offsets(indexed)[-1])).max())
+    CPTDataset(cpt_prefix, 32, vocab_size=largest + 1)
+    with pytest.raises(
+        ValueError,
+        match=rf"docs\.bin holds token id {largest} >= vocab size {largest} "
+        r"\(tokenizer tok/code\.model\); preprocess it with the same tokenizer",
+    ):
+        CPTDataset(cpt_prefix, 32, vocab_size=largest, tokenizer_model="tok/code.model")
+
+
+def test_cpt_negative_token_ids_fail_at_load(tmp_path):
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = str(tmp_path / "signed")
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.int32)
+    builder.add_document(np.array([5, 6, -3, 7] * 20, dtype=np.int32), [80])
+    builder.finalize(f"{prefix}.idx")
+    with pytest.raises(ValueError, match=r"signed\.bin holds negative token id -3.*same tokenizer"):
+        CPTDataset(prefix, 16, vocab_size=100)
+
+
 def test_epoch_index_and_collate(cpt_prefix):
     n = 10
     assert [epoch_index(i, n, seed=3) for i in range(n)] == list(range(n))
@@ -375,19 +398,73 @@ def test_sft_render_truncation_and_errors(tmp_path, tokenizer):
     ids, targets = render_chat([{"role": "user", "content": "hi"}], tokenizer, add_generation_prompt=True)
     assert ids[0] == tokenizer.chat["user"] and ids[-1] == tokenizer.chat["assistant"] and not any(targets)
     long = tmp_path / "long.jsonl"
-    long.write_text(
-        json.dumps(_conversation(1))
-        + "\n"
-        + json.dumps({"messages": [{"role": "user", "content": "x"}]})
-        + "\n"
-    )
+    # the second conversation's assistant reply falls past the cut: truncated, then dropped
+    late_reply = [{"role": "user", "content": "x = 1\n" * 40}, {"role": "assistant", "content": "y"}]
+    long.write_text(json.dumps(_conversation(1)) + "\n" + json.dumps({"messages": late_reply}) + "\n")
     dataset = SFTDataset(long, tokenizer, seq_length=24)
-    assert dataset.truncated == 1 and dataset.dropped == 1 and len(dataset) == 1
+    assert dataset.truncated == 2 and dataset.dropped == 1 and len(dataset) == 1
     assert dataset[0]["tokens"].shape == (24,)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "no messages"}\n')
     with pytest.raises(ValueError, match="bad.jsonl:1"):
         SFTDataset(bad, tokenizer, 32)
+
+
+GOOD_LINE = json.dumps(_conversation(0)) + "\n"
+ROLES = r"one of system, user, assistant"
+
+
+@pytest.mark.parametrize(
+    "line, problem",
+    [
+        ('{"messages": [', r"invalid JSON \(.*\); write one object per line"),
+        ("[1, 2]", r"the line is a JSON array, not an object; write \{"),
+        ('{"text": "no messages"}', r"no \"messages\" key \(keys: \['text'\]\); write \{"),
+        ('{"messages": "hi"}', r"\"messages\" is a JSON string, not an array of messages; write \{"),
+        ('{"messages": ["hi"]}', r"messages\[0\] is a JSON string, not an object; write \{"),
+        ('{"messages": [{"content": "x"}]}', rf"messages\[0\] has no \"role\"; set it to {ROLES}"),
+        (
+            '{"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "y"}]}',
+            rf"messages\[1\] has role 'tool'; use {ROLES}",
+        ),
+        ('{"messages": [{"role": "user"}]}', r"messages\[0\] has no \"content\"; give the message text"),
+        (
+            '{"messages": [{"role": "assistant", "content": ["a"]}]}',
+            r"messages\[0\] \"content\" is a JSON array, not a string; give the message text",
+        ),
+        (
+            '{"messages": [{"role": "user", "content": "x"}]}',
+            r"no assistant message, so nothing to train on; add the assistant reply or remove the line",
+        ),
+    ],
+)
+def test_sft_bad_line_names_file_line_and_fix(tmp_path, tokenizer, line, problem):
+    path = tmp_path / "chat.jsonl"
+    # the bad line is line 3: blank lines count, so the number matches an editor's
+    path.write_text(GOOD_LINE + "\n" + line + "\n" + GOOD_LINE)
+    with pytest.raises(ValueError, match=rf"chat\.jsonl:3: {problem}"):
+        SFTDataset(path, tokenizer, 64)
+
+
+@pytest.mark.parametrize("text", ["", "\n  \n"])
+def test_sft_empty_file_names_file_and_fix(tmp_path, tokenizer, text):
+    path = tmp_path / "empty.jsonl"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=r"empty\.jsonl: no conversations \(the file is empty\); write one"):
+        SFTDataset(path, tokenizer, 64)
+
+
+def test_sft_token_ids_outside_vocab_fail_at_load(tmp_path, tokenizer):
+    path = tmp_path / "chat.jsonl"
+    path.write_text(GOOD_LINE + json.dumps(_conversation(1)) + "\n")
+    SFTDataset(path, tokenizer, 64, vocab_size=tokenizer.vocab_size)
+    line_one = [tokenizer.chat["end"], tokenizer.eod]
+    for message in _conversation(0)["messages"]:
+        line_one += [tokenizer.chat[message["role"]], *tokenizer.encode(message["content"])]
+    largest = max(line_one)
+    message = rf"chat\.jsonl:1: token id {largest} >= vocab size {largest} \(tokenizer .*tiny\.model\)"
+    with pytest.raises(ValueError, match=message):
+        SFTDataset(path, tokenizer, 64, vocab_size=largest)
 
 
 def test_build_sft_jsonl_is_deterministic_real_code(tmp_path, stdlib_files):
@@ -410,7 +487,7 @@ def test_build_sft_jsonl_is_deterministic_real_code(tmp_path, stdlib_files):
 
 def test_default_cpt_data_builds_once_and_rebuilds_when_damaged(tmp_path, monkeypatch, stdlib_files):
     monkeypatch.setattr(
-        data_datasets,
+        data_default,
         "stdlib_corpus",
         lambda split: stdlib_files[:20] if split == "train" else stdlib_files[20:23],
     )

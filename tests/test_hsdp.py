@@ -3,7 +3,7 @@ checkpoints load under DDP (and vice versa)."""
 import pytest
 import torch
 
-from megatron_composer.data.datasets import RandomTokenDataset
+from megatron_composer.data import RandomTokenDataset
 from tests.distributed import run_distributed
 
 

@@ -140,7 +140,7 @@ def test_precision_errors_name_the_size():
 
 # ------------------------------------------------------------------ NVFP4 CPT
 def _cpt_losses(data_dir, precision, steps=30):
-    from megatron_composer.data.datasets import CPTDataset
+    from megatron_composer.data import CPTDataset
     from megatron_composer.models import ParallelSizes
     from megatron_composer.platform import init_distributed
     from megatron_composer.training.loop import Trainer

@@ -132,7 +132,7 @@ def _trainer(dataset, ep=1, iters=8, optimizer="adam"):
 
 
 def _dataset(prefix):
-    from megatron_composer.data.datasets import CPTDataset
+    from megatron_composer.data import CPTDataset
 
     return CPTDataset(prefix, 64, seed=5)
 
@@ -285,7 +285,7 @@ def test_sft_stage_trains_on_assistant_tokens_only(data_dir, tmp_path):
                 "--seq-length", "128", "--micro-batch-size", "2", "--save", str(tmp_path / "sft")])
     assert out.returncode == 0, out.stderr[-3000:]
     assert "> stage sft" in out.stdout and len(_losses(out.stdout)) == 3
-    from megatron_composer.data.datasets import SFTDataset
+    from megatron_composer.data import SFTDataset
     from megatron_composer.data.tokenizer import Tokenizer
 
     tok = Tokenizer(work / "tokenizer.model")

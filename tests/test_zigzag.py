@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from megatron_composer.parallel.zigzag import (
+from megatron_composer.parallel import (
     Segment,
     ZigzagLayout,
     document_padding,

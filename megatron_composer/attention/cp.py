@@ -33,7 +33,7 @@ from megatron.core.models.common.embeddings import apply_rotary_pos_emb
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
 from ..parallel.collectives import all_gather_single, reduce_scatter_single
-from ..parallel.zigzag import Segment, ZigzagLayout
+from ..parallel import Segment, ZigzagLayout
 from .core import MLACoreAttention, causal_attention
 
 
