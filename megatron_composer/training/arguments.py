@@ -189,7 +189,7 @@ def parse_args(argv: Optional[list[str]] = None):
         raise ValueError("--pipeline-model-parallel-size > 1 is not supported; the recipe uses "
                          "CP x EP x FSDP instead of PP")
     if args.context_parallel_size > 1 and not args.pad_to_multiple:
-        from ..parallel.zigzag import check_divisible
+        from ..parallel import check_divisible
 
         try:
             check_divisible([args.seq_length], args.context_parallel_size, packed=False)

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from ..data.datasets import collate_packed
+from ..data import collate_packed
 
 
 @dataclass

@@ -66,7 +66,8 @@ def build_datasets(data: StageData, args, vocab_size: int):
             validate_indexed_dataset(path)
 
         def make(path):
-            return CPTDataset(path, args.seq_length, seed=args.seed, vocab_size=vocab_size)
+            return CPTDataset(path, args.seq_length, seed=args.seed, vocab_size=vocab_size,
+                              tokenizer_model=str(data.tokenizer.model_path))
     else:
         for path in paths:
             if not Path(path).is_file():

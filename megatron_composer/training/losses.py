@@ -11,11 +11,11 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from ..parallel.zigzag import shift_left
+from ..parallel import shift_left
 
 # shift(x, depth, fill): x[:, t + depth] at t within the sequence/document,
 # `fill` past its end. `shift_left` for CP=1; under context parallelism the
-# loop passes a zigzag-aware `parallel.zigzag.cp_shift_left`, because the
+# loop passes a zigzag-aware `parallel.cp_shift_left`, because the
 # token `depth` ahead may live on another CP rank.
 Shift = Callable[[torch.Tensor, int, object], torch.Tensor]
 
