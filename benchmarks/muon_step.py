@@ -200,21 +200,21 @@ def main(argv=None) -> None:
 
 def cpt_comparison(steps: int, data_dir: str, seq: int = 128, lr: float = 3e-3) -> None:
     """Tiny CPT from one initialization with AdamW and with Muon + AdamW."""
-    from megatron_composer.config import get_preset
+    from megatron_composer.config import OptimizerConfig, TrainingConfig, get_preset
     from megatron_composer.data import CPTDataset, default_cpt_data
-    from megatron_composer.models import ParallelSizes
-    from megatron_composer.optim.factory import build_muon_optimizer
+    from megatron_composer.parallel import ParallelLayout
     from megatron_composer.platform import init_distributed
-    from megatron_composer.training.loop import Trainer
+    from megatron_composer.training.trainer import Trainer, TrainingData
 
     init_distributed()
     data = default_cpt_data(data_dir, progress=False)
     dataset = CPTDataset(data.train_prefix, seq, seed=1234)
     losses = {}
-    for name, factory in (("adamw", None), ("muon", lambda m: build_muon_optimizer(m, lr=lr))):
-        trainer = Trainer(get_preset("tiny"), ParallelSizes(), dataset, seq_length=seq, micro_batch_size=8,
-                          lr=lr, min_lr=lr / 10, warmup_iters=steps // 10, decay_iters=steps,
-                          seed=1234, optimizer_factory=factory)
+    for name, optimizer in (("adamw", "adam"), ("muon", "muon")):
+        cfg = TrainingConfig(seq_length=seq, micro_batch_size=8, train_iters=steps, seed=1234,
+                             optimizer=OptimizerConfig(optimizer=optimizer, lr=lr, min_lr=lr / 10,
+                                                       lr_warmup_iters=steps // 10, lr_decay_iters=steps))
+        trainer = Trainer(get_preset("tiny"), ParallelLayout(world_size=1), TrainingData(dataset), cfg)
         losses[name] = [trainer.step().lm_loss for _ in range(steps)]
     tail = max(steps // 10, 1)
     mean = {k: sum(v[-tail:]) / tail for k, v in losses.items()}

@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_composer.models import ParallelSizes
 from megatron_composer.parallel.layout import ParallelLayout
 from tests.distributed import run_distributed
 
@@ -69,8 +68,10 @@ def test_bad_sizes_name_the_sizes_and_what_fits(kwargs, message):
 
 
 def test_from_cli_sizes():
-    sizes = ParallelSizes(context_parallel_size=2, expert_model_parallel_size=8)
-    assert ParallelLayout.from_sizes(8, sizes, 8) == ParallelLayout(world_size=8, cp=2, ep=8, num_experts=8)
+    from megatron_composer.training.arguments import parse_args
+
+    args = parse_args(["--context-parallel-size", "2", "--expert-model-parallel-size", "8"])
+    assert ParallelLayout.from_sizes(8, args, 8) == ParallelLayout(world_size=8, cp=2, ep=8, num_experts=8)
 
 
 # ---------------------------------------------------------------- 8 ranks
@@ -90,17 +91,13 @@ def _samples(n, seq, vocab, seed=0):
 
 def _e2e_body(rank, world):
     from megatron_composer.config import get_preset
-    from megatron_composer.platform import init_distributed
-    from megatron_composer.training.loop import Trainer
+    from tests.trainers import make_trainer
 
-    init_distributed()
-    cfg = get_preset("tiny")
-    data = _samples(4, 32, cfg.vocab_size)
+    data = _samples(4, 32, get_preset("tiny").vocab_size)
     out = {}
     for cp in (2, 8):
-        sizes = ParallelSizes(context_parallel_size=cp, expert_model_parallel_size=8)
-        trainer = Trainer(cfg, sizes, data, seq_length=32, micro_batch_size=1, global_batch_size=4,
-                          lr=1e-3, warmup_iters=0, decay_iters=10)
+        trainer = make_trainer(data, cp=cp, ep=8, seq_length=32, micro_batch_size=1, global_batch_size=4,
+                               lr=1e-3, lr_warmup_iters=0, lr_decay_iters=10)
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         pgs = ProcessGroupCollection.use_mpu_process_groups()

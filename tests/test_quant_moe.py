@@ -12,12 +12,12 @@ TINY = get_preset("tiny")
 
 
 def _init_world1():
-    from megatron_composer.models import ParallelSizes
+    from megatron_composer.parallel import ParallelLayout
+    from megatron_composer.parallel.layout import initialize_parallel
     from megatron_composer.platform import init_distributed
-    from megatron_composer.training.loop import initialize_parallel
 
     init_distributed()
-    initialize_parallel(ParallelSizes(), seed=1234)
+    initialize_parallel(ParallelLayout(world_size=1), seed=1234)
 
 
 def _experts(precision, params_dtype=torch.float32):
@@ -139,28 +139,30 @@ def test_precision_errors_name_the_size():
 
 
 # ------------------------------------------------------------------ NVFP4 CPT
-def _cpt_losses(data_dir, precision, steps=30):
+def _cpt_losses(data_dir, precision, steps=30, bf16=False):
+    from megatron_composer.config import MoEPrecisionConfig
     from megatron_composer.data import CPTDataset
-    from megatron_composer.models import ParallelSizes
-    from megatron_composer.platform import init_distributed
-    from megatron_composer.training.loop import Trainer
+    from tests.trainers import make_trainer
 
-    init_distributed()
-    trainer = Trainer(TINY, ParallelSizes(), CPTDataset(str(data_dir / "stdlib_train"), 64, seed=5),
-                      seq_length=64, micro_batch_size=2, global_batch_size=4, lr=3e-3,
-                      warmup_iters=3, decay_iters=steps, moe_expert_precision=precision)
+    trainer = make_trainer(CPTDataset(str(data_dir / "stdlib_train"), 64, seed=5), lr_warmup_iters=3,
+                           lr_decay_iters=steps, bf16=bf16,
+                           moe_precision=MoEPrecisionConfig(moe_expert_precision=precision))
     return [trainer.step().lm_loss for _ in range(steps)]
 
 
-def test_nvfp4_experts_follow_the_bf16_loss(data_dir):
-    bf16 = _cpt_losses(data_dir, "bf16")
-    nvfp4 = _cpt_losses(data_dir, "nvfp4")
-    last_bf16, last_nvfp4 = sum(bf16[-3:]) / 3, sum(nvfp4[-3:]) / 3
-    print(f"mean of the last 3 of 30 losses: bf16 {last_bf16:.4f} nvfp4 {last_nvfp4:.4f} "
-          f"({(last_nvfp4 / last_bf16 - 1) * 100:+.2f}%)")
-    assert last_bf16 < bf16[0] - 1.0  # it trained
-    assert abs(last_nvfp4 - last_bf16) <= 0.02 * last_bf16, (bf16, nvfp4)
-    assert nvfp4 != bf16  # the experts really ran quantized
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32-model", "bf16-model"])
+def test_nvfp4_experts_follow_the_unquantized_loss(data_dir, bf16):
+    """NVFP4 experts vs unquantized experts in the model's dtype: an fp32 model,
+    and a real --bf16 run (bf16 compute, fp32 main weights)."""
+    dtype = "bf16" if bf16 else "fp32"
+    plain = _cpt_losses(data_dir, "bf16", bf16=bf16)  # "bf16" = unquantized, in the model's dtype
+    nvfp4 = _cpt_losses(data_dir, "nvfp4", bf16=bf16)
+    last_plain, last_nvfp4 = sum(plain[-3:]) / 3, sum(nvfp4[-3:]) / 3
+    print(f"{dtype} model, mean of the last 3 of 30 losses: unquantized {last_plain:.4f} "
+          f"nvfp4 {last_nvfp4:.4f} ({(last_nvfp4 / last_plain - 1) * 100:+.2f}%)")
+    assert last_plain < plain[0] - 1.0  # it trained
+    assert abs(last_nvfp4 - last_plain) <= 0.02 * last_plain, (plain, nvfp4)
+    assert nvfp4 != plain  # the experts really ran quantized
 
 
 # ------------------------------------------------------------------ MXFP8 dispatch at EP=2
@@ -191,15 +193,16 @@ class _AllToAllRecorder:
 def _dispatch_body(rank, world):
     from megatron.core.transformer.spec_utils import build_module
 
-    from megatron_composer.models import ParallelSizes, transformer_config
+    from megatron_composer.models import transformer_config
     from megatron_composer.models.builder import composer_block_spec
+    from megatron_composer.parallel import ParallelLayout
+    from megatron_composer.parallel.layout import initialize_parallel
     from megatron_composer.platform import init_distributed
-    from megatron_composer.training.loop import initialize_parallel
 
     init_distributed()
-    parallel = ParallelSizes(expert_model_parallel_size=2)
-    initialize_parallel(parallel, seed=1234)
-    tconfig = transformer_config(TINY, parallel, params_dtype=torch.bfloat16)
+    layout = ParallelLayout(world_size=2, ep=2)
+    initialize_parallel(layout, seed=1234)
+    tconfig = transformer_config(TINY, layout, params_dtype=torch.bfloat16)
     layers = {}
     for precision in ("bf16", "mxfp8"):
         spec = composer_block_spec(tconfig, moe_dispatch_precision=precision).layer_specs[-1].submodules.mlp

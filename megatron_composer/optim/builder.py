@@ -76,16 +76,35 @@ class ComposerOptimizer:
         for p in self.opt_params:
             p.grad = None
 
-    def state_dict(self) -> dict:
-        return {"optimizers": [o.state_dict() for o in self.optimizers],
-                "main_params": [p.detach().clone() for p in self.opt_params] if self.mixed_precision else None}
+    # ---- checkpoints (keyed by global parameter name) -----------------------
+    def sharded_state_dict(self, names: dict) -> dict:
+        """{"{name}/{key}": tensor} for every state entry; `names` maps model
+        parameters to their global names. Under mixed precision the fp32 main
+        weight is the entry "main_param"."""
+        out = {}
+        for o in self.optimizers:
+            for p, s in o.state.items():
+                name = names[self._to_model[id(p)]]
+                for key, value in s.items():
+                    out[f"{name}/{key}"] = value if torch.is_tensor(value) else torch.tensor(value)
+                if self.mixed_precision:
+                    out[f"{name}/main_param"] = p.detach()
+        return out
 
-    def load_state_dict(self, state: dict) -> None:
-        for o, s in zip(self.optimizers, state["optimizers"]):
-            o.load_state_dict(s)
-        if state.get("main_params") is not None:
-            torch._foreach_copy_([p.data for p in self.opt_params], state["main_params"])
-            self.copy_main_to_model()
+    @torch.no_grad()
+    def load_sharded_state_dict(self, state: dict, names: dict) -> None:
+        """Copy `state` (as `sharded_state_dict` makes it) into the existing state."""
+        for o in self.optimizers:
+            for p, s in o.state.items():
+                name = names[self._to_model[id(p)]]
+                for key in list(s):
+                    value = state[f"{name}/{key}"]
+                    if torch.is_tensor(s[key]):
+                        s[key].copy_(value)
+                    else:
+                        s[key] = type(s[key])(value.item())
+                if self.mixed_precision:
+                    p.copy_(state[f"{name}/main_param"])
 
     # ---- mixed precision ----------------------------------------------------
     @torch.no_grad()

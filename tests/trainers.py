@@ -1,0 +1,33 @@
+"""Build a Trainer for tests in one line: the tiny preset, small shapes.
+
+    tr = make_trainer(dataset, ep=2, optimizer="muon", micro_batch_size=1)
+
+Keyword arguments are `TrainingConfig` fields, or `OptimizerConfig` fields
+(`optimizer`, `lr`, ...), or the parallel sizes `tp`, `cp`, `ep`; the world
+size is torch.distributed's (a single process when not initialized).
+"""
+from __future__ import annotations
+
+
+def make_trainer(dataset, *, model_cfg=None, tp=1, cp=1, ep=1, valid=None, batch_transform=None, **fields):
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from megatron_composer.config import CheckpointConfig, OptimizerConfig, TrainingConfig, get_preset
+    from megatron_composer.parallel import ParallelLayout
+    from megatron_composer.platform import init_distributed
+    from megatron_composer.training.trainer import Trainer, TrainingData
+
+    init_distributed()
+    model_cfg = model_cfg or get_preset("tiny")
+    optimizer = {"lr": 3e-3, "lr_warmup_iters": 2, "lr_decay_iters": 8}
+    optimizer_fields = {f.name for f in dataclasses.fields(OptimizerConfig)}
+    optimizer.update({k: fields.pop(k) for k in list(fields) if k in optimizer_fields})
+    checkpoint = fields.pop("checkpoint", {})
+    defaults = {"seq_length": 64, "micro_batch_size": 2, "global_batch_size": 4}
+    cfg = TrainingConfig(**{**defaults, **fields}, optimizer=OptimizerConfig(**optimizer),
+                         checkpoint=CheckpointConfig(**checkpoint))
+    layout = ParallelLayout(world_size=dist.get_world_size(), tp=tp, cp=cp, ep=ep,
+                            num_experts=model_cfg.num_experts or None)
+    return Trainer(model_cfg, layout, TrainingData(dataset, valid), cfg, batch_transform=batch_transform)
