@@ -130,3 +130,23 @@ def test_bad_values_name_their_flag(flags, message):
 
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         parse_args(flags)
+
+
+def test_distributed_timeout_reaches_process_group_creation(monkeypatch):
+    """--distributed-timeout-minutes is handed to init_distributed, which passes it
+    to init_process_group on every launcher path (tests/test_platform_cpu.py)."""
+    from megatron_composer.training import pretrain as entry
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_init(timeout_minutes):
+        seen["timeout"] = timeout_minutes
+        raise Stop
+
+    monkeypatch.setattr(entry, "init_distributed", fake_init)
+    with pytest.raises(Stop):
+        entry.pretrain(["--distributed-timeout-minutes", "3"])
+    assert seen == {"timeout": 3}
