@@ -135,7 +135,7 @@ def _cp_body(rank, world, state_path):
     """CP=4 on all ranks, then CP=2 x DP=2 in the same processes (one spawn)."""
     from megatron.core import parallel_state
 
-    from megatron_composer.training.checkpointing import load_model_state_dict
+    from megatron_composer.checkpoint import load_model_state_dict
 
     results = {}
     for cp, cases in ((4, ["plain", "packed"]), (2, ["plain", "packed", "padded"])):
@@ -159,7 +159,7 @@ def _rel_err(a, b):
 @pytest.fixture(scope="module")
 def cp_runs(tmp_path_factory):
     """CP=1 results for every case (in this process) and the 4-rank CP=4 / CP=2 results."""
-    from megatron_composer.training.checkpointing import load_model_state_dict, model_state_dict
+    from megatron_composer.checkpoint import load_model_state_dict, model_state_dict
 
     path = tmp_path_factory.mktemp("cp") / "state.pt"
     model = _setup(1)

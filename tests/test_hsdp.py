@@ -11,7 +11,7 @@ def _train(rank, world, sharding, ep, shard, steps, save=None, load=None, optimi
     from megatron_composer.config import get_preset
     from megatron_composer.models import ParallelSizes
     from megatron_composer.platform import init_distributed
-    from megatron_composer.training import checkpointing as ck
+    from megatron_composer import checkpoint as ck
     from megatron_composer.optim.factory import build_muon_optimizer
     from megatron_composer.training.loop import Trainer
 

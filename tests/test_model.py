@@ -69,7 +69,7 @@ def test_forward_backward_world1():
 
 def _ep_body(rank, world, state_path, ep):
     from megatron_composer.models import composer_forward
-    from megatron_composer.training.checkpointing import load_model_state_dict, global_param_names
+    from megatron_composer.checkpoint import load_model_state_dict, global_param_names
 
     model = _build(TINY, ep=ep)
     load_model_state_dict(model, torch.load(state_path))
@@ -82,7 +82,7 @@ def _ep_body(rank, world, state_path, ep):
 
 def test_expert_parallel_2_equals_1(tmp_path):
     from megatron_composer.models import composer_forward
-    from megatron_composer.training.checkpointing import model_state_dict
+    from megatron_composer.checkpoint import model_state_dict
 
     model = _build(TINY)
     state = model_state_dict(model)
@@ -91,13 +91,13 @@ def test_expert_parallel_2_equals_1(tmp_path):
         if k.endswith("expert_bias"):
             state[k].copy_(torch.linspace(-0.01, 0.01, state[k].numel()))
     torch.save(state, tmp_path / "state.pt")
-    from megatron_composer.training.checkpointing import load_model_state_dict
+    from megatron_composer.checkpoint import load_model_state_dict
 
     load_model_state_dict(model, state)
     tokens, pos = _inputs()
     logits, mtp = composer_forward(model, tokens, pos)
     (logits.logsumexp(-1).mean() + mtp[0].logsumexp(-1).mean()).backward()
-    from megatron_composer.training.checkpointing import global_param_names
+    from megatron_composer.checkpoint import global_param_names
 
     names = global_param_names(model)
     ref = {names[n]: p.grad for n, p in model.named_parameters()}

@@ -139,7 +139,7 @@ def _dataset(prefix):
 
 @pytest.mark.parametrize("optimizer", ["adam", "muon"])
 def test_resume_reproduces_the_uninterrupted_run(data_dir, tmp_path, optimizer):
-    from megatron_composer.training import checkpointing as ck
+    from megatron_composer import checkpoint as ck
 
     ds = _dataset(str(data_dir / "stdlib_train"))
     full = _trainer(ds, optimizer=optimizer)
@@ -160,7 +160,7 @@ def test_resume_reproduces_the_uninterrupted_run(data_dir, tmp_path, optimizer):
 
 
 def _ep2_save(rank, world, prefix, path):
-    from megatron_composer.training import checkpointing as ck
+    from megatron_composer import checkpoint as ck
     from megatron_composer.models import composer_forward
 
     tr = _trainer(_dataset(prefix), ep=2)
@@ -173,7 +173,7 @@ def _ep2_save(rank, world, prefix, path):
 
 
 def test_checkpoint_saved_with_ep2_loads_with_ep1(data_dir, tmp_path):
-    from megatron_composer.training import checkpointing as ck
+    from megatron_composer import checkpoint as ck
     from megatron_composer.models import composer_forward
 
     logits_ep2 = run_distributed(_ep2_save, 2, str(data_dir / "stdlib_train"), str(tmp_path))
@@ -187,7 +187,7 @@ def test_checkpoint_saved_with_ep2_loads_with_ep1(data_dir, tmp_path):
 
 
 def test_interrupted_save_keeps_the_previous_checkpoint(data_dir, tmp_path):
-    from megatron_composer.training import checkpointing as ck
+    from megatron_composer import checkpoint as ck
 
     tr = _trainer(_dataset(str(data_dir / "stdlib_train")))
     tr.step()
@@ -248,7 +248,7 @@ def test_mtp_added_to_a_checkpoint_trained_without_it(data_dir, tmp_path):
                          "--load", str(tmp_path / "a"), "--finetune", "--save", str(tmp_path / "b")])
     assert out.returncode == 0, out.stderr[-3000:]
     assert "mtp loss" in out.stdout and "weights only" in out.stdout
-    from megatron_composer.training import checkpointing as ck
+    from megatron_composer import checkpoint as ck
 
     import torch.distributed.checkpoint as dcp
 

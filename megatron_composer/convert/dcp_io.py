@@ -1,6 +1,6 @@
 """Write and read our DCP checkpoints without holding the whole model.
 
-`training.checkpointing` saves a model that is already in memory. A
+`checkpoint.save_checkpoint` saves a model that is already in memory. A
 converter must not need that, so:
 
 * `save_lazily` runs `torch.distributed.checkpoint.save` on a state dict of
@@ -12,8 +12,8 @@ converter must not need that, so:
 * `load_tensors` reads a chosen subset of keys (`dcp.load` reads only what
   the given state dict asks for).
 
-The result is an ordinary DCP checkpoint: `training.checkpointing.
-load_checkpoint` reads it, under any expert-parallel size.
+The result is an ordinary DCP checkpoint: `checkpoint.load_checkpoint`
+reads it, under any expert-parallel size.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .config import ConversionError
 
-PREFIX = "model."  # checkpointing.save_checkpoint stores {"model": {...}}
+PREFIX = "model."  # checkpoint.save_checkpoint stores {"model": {...}}
 
 
 class _LazySavePlanner(DefaultSavePlanner):

@@ -36,7 +36,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from ..config.model import ModelConfig
-from ..training.checkpointing import TRACKER, iteration_dir, latest_iteration
+from ..checkpoint import TRACKER, iteration_dir, latest_iteration
+from ..checkpoint.integrity import write_manifest
 from . import dcp_io
 from .config import ConversionError, hf_config_from_model, model_config_from_dict, model_config_from_hf
 from .keys import TensorMap, mtp_shared_copies, permute_rope_rows, tensor_maps
@@ -264,6 +265,7 @@ def hf_to_mcore(
                 dcp_io.save_lazily(it_dir, specs, produce, max_file_bytes, on_tensor=bar.update)
             with open(os.path.join(it_dir, "meta.json"), "w") as f:
                 json.dump(meta, f, indent=2, sort_keys=True, default=str)
+            write_manifest(it_dir)  # training verifies converted checkpoints like its own
             with open(os.path.join(tmp, TRACKER), "w") as f:
                 f.write("0")
             _copy_assets(load_dir, os.path.join(tmp, HF_ASSETS))

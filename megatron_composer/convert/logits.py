@@ -1,7 +1,7 @@
 """Logits of a megatron-composer checkpoint for one token sequence.
 
 The reference side of a logit-parity check: build the model the checkpoint's
-meta.json describes, load it with `training.checkpointing.load_checkpoint`
+meta.json describes, load it with `checkpoint.load_checkpoint`
 (the same path training resumes through) and run `composer_forward` in fp32.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from ..models import ParallelSizes, build_model, composer_forward
 from ..platform import init_distributed
-from ..training.checkpointing import load_checkpoint
+from ..checkpoint import load_checkpoint
 from .config import model_config_from_dict
 from .hf import locate_checkpoint
 

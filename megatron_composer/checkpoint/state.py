@@ -1,0 +1,228 @@
+"""What a checkpoint stores: model and optimizer state under layout-independent names.
+
+Every tensor is stored under its *global* name: an expert that lives on EP
+rank r as `local_experts.{i}` is stored as `experts.{r * local + i}`, so a
+checkpoint written with one expert-parallel size loads under another
+(DCP reads each rank's keys from wherever they were written). Optimizer
+state is keyed `{global param name}/{state key}`. Replicated tensors (dense
+weights under data parallelism) are written once; FSDP2 DTensors are
+written as their global tensors.
+
+Optimizers: anything with `param_groups` and `state` (an AdamW, or a
+container such as `MuonWithAdamW`) goes through `name_keyed_optimizer_state`
+/ `load_name_keyed_optimizer_state`. An optimizer that keeps state the
+model's parameters do not key (e.g. fp32 main parameters) provides its own
+`sharded_state_dict(names)` and `load_sharded_state_dict(state, names)`,
+with `names` mapping each model parameter to its global name; those
+methods are used when present.
+"""
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+import torch
+from megatron.core import parallel_state
+
+from ..parallel.wrappers import unwrap
+from .tracker import CheckpointError
+
+_LOCAL_EXPERT = re.compile(r"^(.*\.experts\.)local_experts\.(\d+)\.(.*)$")
+# State tensors each optimizer class keeps per parameter (beyond a scalar
+# step), to size a checkpoint before the first step has created any state.
+_STATE_COPIES = {"Adam": 2, "AdamW": 2, "Muon": 1, "ShardedMuon": 1, "SGD": 1}
+
+
+def _expert_parallel() -> tuple[int, int]:
+    """(EP size, EP rank); (1, 0) before megatron-core's parallel state exists."""
+    return max(parallel_state.get_expert_model_parallel_world_size(), 1), parallel_state.get_expert_model_parallel_rank()
+
+
+def _expert_offset(gpt) -> int:
+    num_experts = getattr(getattr(gpt, "config", None), "num_moe_experts", None) or 0
+    if not num_experts:
+        return 0
+    ep, rank = _expert_parallel()
+    return rank * (num_experts // ep)
+
+
+def global_param_names(model) -> dict[str, str]:
+    """Map each local parameter/buffer name to its layout-independent name."""
+    gpt = unwrap(model)
+    offset = _expert_offset(gpt)
+    names = {}
+    for name in list(dict(gpt.named_parameters())) + list(dict(gpt.named_buffers())):
+        m = _LOCAL_EXPERT.match(name)
+        names[name] = f"{m.group(1)}{offset + int(m.group(2))}.{m.group(3)}" if m else name
+    return names
+
+
+def param_global_names(model) -> dict[torch.nn.Parameter, str]:
+    """Each model parameter (the object optimizers key state by) -> its global name."""
+    names = global_param_names(model)
+    return {p: names[n] for n, p in unwrap(model).named_parameters()}
+
+
+def _model_items(model):
+    """(local name, global name, tensor) of the stored model state."""
+    gpt = unwrap(model)
+    names = global_param_names(model)
+    for key, value in gpt.state_dict().items():
+        if key.endswith("_extra_state") or not torch.is_tensor(value):
+            continue
+        yield key, names.get(key, key), value
+
+
+def model_state_dict(model) -> dict[str, torch.Tensor]:
+    """The model's state under global names (parameters and persistent buffers)."""
+    return {name: value for _, name, value in _model_items(model)}
+
+
+def load_model_state_dict(model, state: dict[str, torch.Tensor], allow_missing: tuple[str, ...] = ()) -> None:
+    """Copy `state` (global names) into the model; names starting with `allow_missing` may be absent."""
+    gpt = unwrap(model)
+    names = global_param_names(model)
+    local, absent = {}, []
+    for key in gpt.state_dict():
+        if key.endswith("_extra_state"):
+            continue
+        name = names.get(key, key)
+        if name in state:
+            local[key] = state[name]
+        elif not (allow_missing and name.startswith(allow_missing)):
+            absent.append(name)
+    if absent:
+        raise CheckpointError(f"checkpoint lacks model tensors {absent[:5]} ({len(absent)} in all); "
+                              "load it with the model flags it was saved with")
+    gpt.load_state_dict(local, strict=False)
+
+
+def name_keyed_optimizer_state(optimizer, names: dict[torch.nn.Parameter, str]) -> dict[str, torch.Tensor]:
+    """Per-parameter optimizer state as {"{global name}/{key}": tensor} (scalars become tensors)."""
+    state = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for key, value in optimizer.state.get(p, {}).items():
+                state[f"{names[p]}/{key}"] = value if torch.is_tensor(value) else torch.tensor(value)
+    return state
+
+
+def load_name_keyed_optimizer_state(optimizer, state: dict[str, torch.Tensor],
+                                    names: dict[torch.nn.Parameter, str]) -> None:
+    """Copy `state` (as `name_keyed_optimizer_state` makes it) into the optimizer's existing state."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            current = optimizer.state.get(p, {})
+            for key in list(current):
+                value = state[f"{names[p]}/{key}"]
+                if torch.is_tensor(current[key]):
+                    current[key].copy_(value)
+                else:
+                    current[key] = type(current[key])(value.item())
+
+
+def optimizer_state_dict(model, optimizer) -> dict[str, torch.Tensor]:
+    """The optimizer's state keyed by global parameter name (its own method when it has one)."""
+    names = param_global_names(model)
+    if hasattr(optimizer, "sharded_state_dict"):
+        return optimizer.sharded_state_dict(names)
+    return name_keyed_optimizer_state(optimizer, names)
+
+
+def load_optimizer_state_dict(model, optimizer, state: dict[str, torch.Tensor]) -> None:
+    """Inverse of `optimizer_state_dict`, into state that `optimizer_template` created."""
+    names = param_global_names(model)
+    if hasattr(optimizer, "load_sharded_state_dict"):
+        optimizer.load_sharded_state_dict(state, names)
+    else:
+        load_name_keyed_optimizer_state(optimizer, state, names)
+
+
+def optimizer_template(model, optimizer) -> dict[str, torch.Tensor]:
+    """State tensors to load into, creating the state by a zero-lr dry step if there is none."""
+    template = optimizer_state_dict(model, optimizer)
+    if template:
+        return template
+    saved = [(g["lr"], g.get("weight_decay")) for g in optimizer.param_groups]
+    grads = {}
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+        if "weight_decay" in group:
+            group["weight_decay"] = 0.0
+        for p in group["params"]:
+            grads[p] = p.grad
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for group, (lr, wd) in zip(optimizer.param_groups, saved):
+        group["lr"] = lr
+        if wd is not None:
+            group["weight_decay"] = wd
+        for p in group["params"]:
+            p.grad = grads[p]
+    return optimizer_state_dict(model, optimizer)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def first_nonfinite(state: dict[str, torch.Tensor]) -> Optional[str]:
+    """Name of the first floating tensor of `state` holding NaN or Inf (this rank's shard), or None.
+
+    One host sync in all: the per-tensor flags are stacked on the device first.
+    """
+    items = [(n, _local(t)) for n, t in state.items() if t.is_floating_point() or t.is_complex()]
+    items = [(n, t) for n, t in items if t.numel()]
+    if not items:
+        return None
+    finite = torch.stack([torch.isfinite(t).all().to(items[0][1].device) for _, t in items]).cpu()
+    bad = (~finite).nonzero()
+    return items[int(bad[0])][0] if len(bad) else None
+
+
+def _global_bytes(tensor: torch.Tensor) -> int:
+    # DTensor.numel() is the global (unsharded) element count
+    return tensor.numel() * tensor.element_size()
+
+
+def _expert_factor(local_name: str) -> int:
+    return _expert_parallel()[0] if _LOCAL_EXPERT.match(local_name) else 1
+
+
+def expected_checkpoint_bytes(model, optimizer=None) -> int:
+    """Bytes of tensor data one checkpoint of `model` (and `optimizer`) writes, all ranks together.
+
+    Exact for the tensors (global shapes x dtype sizes): replicated tensors
+    count once, FSDP2 DTensors at their global size, expert tensors times
+    the EP size (each EP rank holds different experts under the same local
+    names). Excluded: DCP's per-file framing and `.metadata`, rng files,
+    meta.json and the manifest (tens of KB for the `tiny` preset, well under
+    1% for real ones). Optimizer state not created yet (before the first
+    step) is estimated from the optimizer class (`_STATE_COPIES`; 2 copies
+    of the parameter when unknown); an optimizer with `sharded_state_dict`
+    is sized from what that returns.
+    """
+    local_of = {}
+    for key, name, value in _model_items(model):
+        local_of[name] = key
+    total = sum(_global_bytes(v) * _expert_factor(k) for k, _, v in _model_items(model))
+    if optimizer is None:
+        return total
+    names = param_global_names(model)
+    if hasattr(optimizer, "sharded_state_dict"):
+        for key, value in optimizer.sharded_state_dict(names).items():
+            total += _global_bytes(value) * _expert_factor(local_of.get(key.rsplit("/", 1)[0], ""))
+        return total
+    for opt in getattr(optimizer, "optimizers", [optimizer]):
+        copies = _STATE_COPIES.get(type(opt).__name__, 2)
+        for group in opt.param_groups:
+            if type(opt).__name__ == "SGD" and not group.get("momentum"):
+                copies = 0
+            for p in group["params"]:
+                factor = _expert_factor(local_of.get(names.get(p, ""), ""))
+                st = opt.state.get(p)
+                if st:
+                    total += factor * sum(_global_bytes(v) for v in st.values() if torch.is_tensor(v))
+                else:
+                    total += factor * copies * _global_bytes(p)
+    return total

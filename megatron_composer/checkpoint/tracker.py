@@ -1,0 +1,243 @@
+"""Checkpoint directory layout: the tracker, iteration dirs, and what a path holds.
+
+Layout of a checkpoint root (Megatron's names for the tracker and iteration dirs):
+
+    ROOT/latest_checkpointed_iteration.txt   "120"; replaced atomically, last
+    ROOT/iter_0000120/                        one complete checkpoint
+    ROOT/iter_0000120.tmp/                    a save in progress (debris after a crash)
+    ROOT/iter_0000120.old/                    the previous copy during a re-save of 120
+
+An iteration dir is *complete* when it holds DCP's `.metadata` and
+`meta.json`; a save renames its `.tmp` dir into place only when both (and
+the checksum manifest) are written, so a dir with the final name is never
+half-written. The only moment the tracker's iteration has no dir under its
+final name is inside a re-save of that same iteration, between moving the
+old copy to `.old` and the new one into place; readers then use `.old`
+(`readable_iteration_dir`) and `remove_stale_tmp` puts it back.
+
+Everything here is plain filesystem work on one process; `io` adds the
+rank coordination.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from typing import Optional
+
+TRACKER = "latest_checkpointed_iteration.txt"
+META = "meta.json"
+DCP_METADATA = ".metadata"
+TMP_SUFFIX = ".tmp"
+OLD_SUFFIX = ".old"
+_ITER_DIR = re.compile(r"^iter_(\d+)$")
+_STALE = re.compile(r"^iter_(\d+)\.(tmp|old)$")
+
+
+class CheckpointError(Exception):
+    """A checkpoint cannot be read or written; the message names the path and the fix."""
+
+
+class CheckpointSaveError(CheckpointError):
+    """A save failed (I/O error, no space); the previous checkpoint is kept."""
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    """ROOT/iter_0000120 for iteration 120."""
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def is_complete(it_dir: str) -> bool:
+    """Whether an iteration dir holds a finished save (DCP metadata and meta.json)."""
+    return os.path.isfile(os.path.join(it_dir, DCP_METADATA)) and os.path.isfile(os.path.join(it_dir, META))
+
+
+def _tracker_hint(root: str, exclude: Optional[int] = None) -> str:
+    done = [i for i in complete_iterations(root) if i != exclude]
+    if done:
+        return (f"write {done[-1]} (newest complete iteration; all: {done}) into "
+                f"{os.path.join(root, TRACKER)} to resume from it")
+    return "no other complete iteration is left in it: start without --load or point --load elsewhere"
+
+
+def complete_iterations(root: str) -> list[int]:
+    """Iterations with a complete iter_N dir under `root`, ascending."""
+    if not os.path.isdir(root):
+        return []
+    its = []
+    for name in os.listdir(root):
+        m = _ITER_DIR.match(name)
+        if m and is_complete(os.path.join(root, name)):
+            its.append(int(m.group(1)))
+    return sorted(its)
+
+
+def latest_iteration(root: str) -> Optional[int]:
+    """The iteration the tracker names, or None when `root` has no tracker."""
+    path = os.path.join(root, TRACKER)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"cannot read tracker {path}: {exc}") from None
+    if not text.isdigit():
+        raise CheckpointError(f"{path} should hold an iteration number but holds {text[:40]!r}; "
+                              f"{_tracker_hint(root)}")
+    return int(text)
+
+
+def readable_iteration_dir(root: str, iteration: int) -> str:
+    """The complete dir holding `iteration`: iter_N, or iter_N.old inside an interrupted re-save."""
+    final = iteration_dir(root, iteration)
+    for candidate in (final, final + OLD_SUFFIX):
+        if is_complete(candidate):
+            return candidate
+    state = "is incomplete (no .metadata or meta.json)" if os.path.isdir(final) else "does not exist"
+    raise CheckpointError(f"checkpoint {final} {state}; {_tracker_hint(root)}")
+
+
+def tracked_iteration_dir(root: str, iteration: Optional[int] = None) -> tuple[int, str]:
+    """(iteration, complete dir) for `iteration`, or for the tracker's when None."""
+    if iteration is None:
+        iteration = latest_iteration(root)
+        if iteration is None:
+            what = "does not exist" if not os.path.exists(root) else f"has no {TRACKER}"
+            raise CheckpointError(f"no checkpoint in {root}: it {what}; {_tracker_hint(root)}")
+    return iteration, readable_iteration_dir(root, iteration)
+
+
+def read_meta(root: str, iteration: Optional[int] = None) -> dict:
+    """meta.json of `iteration` (default: the tracker's) under `root`."""
+    iteration, it_dir = tracked_iteration_dir(root, iteration)
+    path = os.path.join(it_dir, META)
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read {path} ({type(exc).__name__}: {exc}); the checkpoint is "
+                              f"damaged: restore the file from a copy, or {_tracker_hint(root, iteration)}") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(meta).__name__}, not an object; restore the file "
+                              f"from a copy, or {_tracker_hint(root, iteration)}")
+    return meta
+
+
+def load_target_kind(path: str) -> str:
+    """What a `--load` / `--save` path holds: "missing", "empty" or "checkpoint".
+
+    "empty": an existing directory with nothing but the debris of an
+    interrupted first save (`iter_*.tmp`, a tracker temp file). Anything
+    else that is not a complete tracked checkpoint raises CheckpointError:
+    a file, a directory of other files, an iteration dir given instead of
+    its root, a tracker naming a missing or incomplete iteration.
+    """
+    if not os.path.exists(path):
+        return "missing"
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path} is a file, not a checkpoint directory; point at the directory "
+                              "that holds latest_checkpointed_iteration.txt")
+    if os.path.exists(os.path.join(path, TRACKER)):
+        tracked_iteration_dir(path)
+        return "checkpoint"
+    names = [n for n in os.listdir(path) if not (_STALE.match(n) and n.endswith(TMP_SUFFIX))
+             and n != TRACKER + TMP_SUFFIX]
+    if not names:
+        return "empty"
+    if is_complete(path):
+        raise CheckpointError(f"{path} is one iteration of a checkpoint; pass its parent "
+                              f"{os.path.dirname(os.path.abspath(path))} (the dir with {TRACKER})")
+    if complete_iterations(path):
+        raise CheckpointError(f"{path} has iteration dirs but no {TRACKER}; {_tracker_hint(path)}")
+    raise CheckpointError(f"{path} is not a checkpoint (no {TRACKER}; holds e.g. {sorted(names)[:3]}); "
+                          "choose an empty or new directory, or the root of a checkpoint")
+
+
+def is_checkpoint_dir(root: str) -> bool:
+    """Whether `root` is a checkpoint whose tracker names a complete iteration."""
+    try:
+        return load_target_kind(root) == "checkpoint"
+    except CheckpointError:
+        return False
+
+
+def fsync_file(path: str) -> None:
+    """Flush a file's data to stable storage."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+    """Flush a directory's entries (renames, new files) to stable storage."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems (and all of Windows) cannot fsync a directory; files are synced
+    finally:
+        os.close(fd)
+
+
+def write_file_atomic(path: str, data: bytes) -> None:
+    """Replace `path` by `data` so that readers see the old or the new content, never a mix."""
+    tmp = path + TMP_SUFFIX
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def write_tracker(root: str, iteration: int) -> None:
+    """Point the tracker at `iteration` (atomic, durable)."""
+    write_file_atomic(os.path.join(root, TRACKER), str(iteration).encode())
+
+
+def restore_or_drop_old(root: str, iteration: int) -> list[str]:
+    """Settle iter_N.old after a re-save: back into place if iter_N is not complete, else removed.
+
+    Returns the paths removed.
+    """
+    final = iteration_dir(root, iteration)
+    old = final + OLD_SUFFIX
+    if not os.path.exists(old):
+        return []
+    if not is_complete(final) and is_complete(old):
+        removed = [final] if os.path.exists(final) else []
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(old, final)
+        fsync_dir(root)
+        return removed
+    shutil.rmtree(old)
+    return [old]
+
+
+def remove_stale_local(root: str) -> list[str]:
+    """Remove the debris of interrupted saves under `root` (one process).
+
+    `iter_*.tmp` dirs and the tracker's temp file are removed; an
+    `iter_N.old` copy goes back into place when the re-save that moved it
+    did not finish, and is removed when it did. Returns the removed paths.
+    """
+    if not os.path.isdir(root):
+        return []
+    removed = []
+    for name in sorted(os.listdir(root)):
+        m = _STALE.match(name)
+        path = os.path.join(root, name)
+        if m and m.group(2) == "tmp":
+            shutil.rmtree(path)
+            removed.append(path)
+        elif m:
+            removed += restore_or_drop_old(root, int(m.group(1)))
+    tracker_tmp = os.path.join(root, TRACKER + TMP_SUFFIX)
+    if os.path.exists(tracker_tmp):
+        os.remove(tracker_tmp)
+        removed.append(tracker_tmp)
+    return removed
