@@ -324,9 +324,9 @@ def test_dequantize_fp8_blocks_matches_blockwise_reference():
 
 
 def _ep_logits(rank, world, path, tokens):
-    from megatron_composer.models import ParallelSizes
+    from megatron_composer.parallel import ParallelLayout
 
-    return checkpoint_logits(path, tokens, parallel=ParallelSizes(expert_model_parallel_size=world))
+    return checkpoint_logits(path, tokens, layout=ParallelLayout(world_size=world, ep=world))
 
 
 @needs_transformers

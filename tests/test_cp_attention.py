@@ -52,14 +52,15 @@ CASES = {
 
 
 def _setup(cp):
-    from megatron_composer.models import ParallelSizes, build_model
+    from megatron_composer.models import build_model
+    from megatron_composer.parallel import ParallelLayout
+    from megatron_composer.parallel.layout import initialize_parallel
     from megatron_composer.platform import init_distributed
-    from megatron_composer.training.loop import initialize_parallel
 
-    init_distributed()
-    sizes = ParallelSizes(context_parallel_size=cp)
-    initialize_parallel(sizes, seed=1234, num_experts=TINY.num_experts)
-    return build_model(TINY, sizes, seq_length=64)
+    env = init_distributed()
+    layout = ParallelLayout(world_size=env.world_size, cp=cp, num_experts=TINY.num_experts)
+    initialize_parallel(layout, seed=1234)
+    return build_model(TINY, layout, seq_length=64)
 
 
 def _run_case(model, batch, cp):
@@ -229,12 +230,13 @@ def test_latent_all_gather_backward_reduce_scatters(cp_runs):
 def test_spec_selects_latent_cp_attention():
     from megatron_composer.attention.cp import ContextParallelMLASelfAttention, ZigzagCoreAttention
     from megatron_composer.attention.core import MLACoreAttention
-    from megatron_composer.models import ParallelSizes, transformer_config
+    from megatron_composer.models import transformer_config
     from megatron_composer.models.builder import composer_block_spec
+    from megatron_composer.parallel import ParallelLayout
 
     for cp, module, core in ((1, "MLASelfAttention", MLACoreAttention),
                              (2, "ContextParallelMLASelfAttention", ZigzagCoreAttention)):
-        spec = composer_block_spec(transformer_config(TINY, ParallelSizes(context_parallel_size=cp)))
+        spec = composer_block_spec(transformer_config(TINY, ParallelLayout(world_size=cp, cp=cp)))
         for layer in spec.layer_specs:
             attention = layer.submodules.self_attention
             assert attention.module.__name__ == module

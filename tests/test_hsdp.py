@@ -8,27 +8,19 @@ from tests.distributed import run_distributed
 
 
 def _train(rank, world, sharding, ep, shard, steps, save=None, load=None, optimizer="adam"):
-    from megatron_composer.config import get_preset
-    from megatron_composer.models import ParallelSizes
-    from megatron_composer.platform import init_distributed
     from megatron_composer import checkpoint as ck
-    from megatron_composer.optim.factory import build_muon_optimizer
-    from megatron_composer.training.loop import Trainer
+    from tests.trainers import make_trainer
 
-    init_distributed()
-    factory = None
-    if optimizer == "muon":
-        factory = lambda m: build_muon_optimizer(m, lr=1e-3, granularity="head")  # noqa: E731
-    tr = Trainer(get_preset("tiny"), ParallelSizes(expert_model_parallel_size=ep), RandomTokenDataset(32, 64, 4096),
-                 seq_length=64, micro_batch_size=1, global_batch_size=4, warmup_iters=0, decay_iters=4,
-                 data_parallel_sharding=sharding, dense_shard_size=shard, optimizer_factory=factory)
+    tr = make_trainer(RandomTokenDataset(32, 64, 4096), ep=ep, micro_batch_size=1, global_batch_size=4,
+                      lr=1e-3, lr_warmup_iters=0, lr_decay_iters=4, optimizer=optimizer,
+                      data_parallel_sharding=sharding, dense_shard_size=shard)
     if optimizer == "muon":
         from megatron_composer.optim import ShardedMuon
 
-        assert isinstance(tr.optimizer.muon, ShardedMuon) == (sharding == "hsdp")
+        assert isinstance(tr.optimizer.optimizers[0], ShardedMuon) == (sharding == "hsdp")
     if load:
         meta = ck.load_checkpoint(load, tr.model, tr.optimizer)
-        tr.state.iteration, tr.state.consumed_samples = meta["iteration"], meta["consumed_samples"]
+        tr.load_state_dict(meta)
     out = []
     for _ in range(steps):
         r = tr.step()
@@ -39,8 +31,8 @@ def _train(rank, world, sharding, ep, shard, steps, save=None, load=None, optimi
     if sharding == "hsdp":
         from torch.distributed.tensor import DTensor
 
-        experts = [p for n, p in tr.model.named_parameters() if ".experts.local_experts." in n]
-        assert all(isinstance(p, DTensor) for p in tr.model.parameters())
+        experts = [p for n, p in tr.model.gpt.named_parameters() if ".experts.local_experts." in n]
+        assert all(isinstance(p, DTensor) for p in tr.model.gpt.parameters())
         assert experts[0].device_mesh.size() == world // ep  # wide expert mesh: all EDP ranks
     return out
 
@@ -70,3 +62,12 @@ def test_sharded_muon_in_the_loop_matches_unsharded():
     hsdp = run_distributed(_train, 2, "hsdp", 2, 2, 3, None, None, "muon")
     ddp = run_distributed(_train, 2, "ddp", 2, None, 3, None, None, "muon")
     _close(hsdp[0], ddp[0])
+
+
+def test_ddp_checkpoint_continues_identically_under_hsdp(tmp_path):
+    """The other direction: megatron-core DDP (world 2, EP=1) saves after 2 steps;
+    HSDP (world 2, EP=2, dense weights sharded over both ranks) resumes it and
+    its two steps equal DDP's own steps 3 and 4."""
+    ddp = run_distributed(_train, 2, "ddp", 1, None, 4, str(tmp_path / "d"))
+    hsdp = run_distributed(_train, 2, "hsdp", 2, 2, 2, None, str(tmp_path / "d"))
+    _close(hsdp[0], ddp[0][2:])

@@ -25,13 +25,15 @@ def test_unknown_preset_names_the_choices():
 
 
 def _build(cfg, ep=1, seq=32):
-    from megatron_composer.models import ParallelSizes, build_model
+    from megatron_composer.models import build_model
+    from megatron_composer.parallel import ParallelLayout
+    from megatron_composer.parallel.layout import initialize_parallel
     from megatron_composer.platform import init_distributed
-    from megatron_composer.training.loop import initialize_parallel
 
-    init_distributed()
-    initialize_parallel(ParallelSizes(expert_model_parallel_size=ep), seed=1234)
-    return build_model(cfg, ParallelSizes(expert_model_parallel_size=ep), seq_length=seq)
+    env = init_distributed()
+    layout = ParallelLayout(world_size=env.world_size, ep=ep)
+    initialize_parallel(layout, seed=1234)
+    return build_model(cfg, layout, seq_length=seq)
 
 
 def _inputs(seq=32, batch=2, vocab=TINY.vocab_size):

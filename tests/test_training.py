@@ -17,7 +17,7 @@ from megatron_composer.training.losses import (
     mtp_self_distillation_loss,
     mtp_valid_mask,
 )
-from megatron_composer.training.schedule import learning_rate
+from megatron_composer.optim.schedule import learning_rate
 from tests.distributed import run_distributed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -118,17 +118,9 @@ def test_cpt_end_to_end_loss_falls(data_dir, tmp_path):
 
 
 def _trainer(dataset, ep=1, iters=8, optimizer="adam"):
-    from megatron_composer.config import get_preset
-    from megatron_composer.models import ParallelSizes
-    from megatron_composer.optim.factory import build_muon_optimizer
-    from megatron_composer.platform import init_distributed
-    from megatron_composer.training.loop import Trainer
+    from tests.trainers import make_trainer
 
-    init_distributed()
-    factory = (lambda m: build_muon_optimizer(m, lr=3e-3)) if optimizer == "muon" else None
-    return Trainer(get_preset("tiny"), ParallelSizes(expert_model_parallel_size=ep), dataset,
-                   seq_length=64, micro_batch_size=2, global_batch_size=4, lr=3e-3,
-                   warmup_iters=2, decay_iters=iters, optimizer_factory=factory)
+    return make_trainer(dataset, ep=ep, optimizer=optimizer, lr_decay_iters=iters)
 
 
 def _dataset(prefix):
@@ -152,7 +144,7 @@ def test_resume_reproduces_the_uninterrupted_run(data_dir, tmp_path, optimizer):
                        {"consumed_samples": first.state.consumed_samples})
     resumed = _trainer(ds, optimizer=optimizer)
     meta = ck.load_checkpoint(str(tmp_path), resumed.model, resumed.optimizer)
-    resumed.state.iteration, resumed.state.consumed_samples = meta["iteration"], meta["consumed_samples"]
+    resumed.load_state_dict(dict(meta, iteration=meta["iteration"]))
     losses += [resumed.step().lm_loss for _ in range(3)]
     assert losses == ref  # bit-exact on CPU
     for k, v in ck.model_state_dict(resumed.model).items():
@@ -169,21 +161,35 @@ def _ep2_save(rank, world, prefix, path):
     ck.save_checkpoint(path, 2, tr.model, tr.optimizer, {"consumed_samples": tr.state.consumed_samples})
     tokens = torch.arange(64).reshape(1, 64) * 7 % 4096
     logits, _ = composer_forward(tr.model, tokens, torch.arange(64)[None])
-    return logits.detach()
+    state = {k: v.clone() for k, v in ck.optimizer_state_dict(tr.model, tr.optimizer).items()}
+    return logits.detach(), state
 
 
 def test_checkpoint_saved_with_ep2_loads_with_ep1(data_dir, tmp_path):
+    """Logits, and every optimizer state value per expert: the EP=1 run holds all
+    8 experts, each with the moments the EP=2 rank that owned it saved."""
     from megatron_composer import checkpoint as ck
     from megatron_composer.models import composer_forward
 
-    logits_ep2 = run_distributed(_ep2_save, 2, str(data_dir / "stdlib_train"), str(tmp_path))
-    torch.testing.assert_close(logits_ep2[0], logits_ep2[1])
+    (logits0, state0), (logits1, state1) = run_distributed(_ep2_save, 2, str(data_dir / "stdlib_train"),
+                                                           str(tmp_path))
+    torch.testing.assert_close(logits0, logits1)
     tr = _trainer(_dataset(str(data_dir / "stdlib_train")), ep=1)
     ck.load_checkpoint(str(tmp_path), tr.model, tr.optimizer)
     tokens = torch.arange(64).reshape(1, 64) * 7 % 4096
     logits, _ = composer_forward(tr.model, tokens, torch.arange(64)[None])
-    torch.testing.assert_close(logits.detach(), logits_ep2[0], rtol=1e-5, atol=1e-5)
-    assert any(k.endswith("/exp_avg") for k in ck.optimizer_state_dict(tr.model, tr.optimizer))
+    torch.testing.assert_close(logits.detach(), logits0, rtol=1e-5, atol=1e-5)
+    loaded = ck.optimizer_state_dict(tr.model, tr.optimizer)
+    expert_keys = [k for k in loaded if ".experts.local_experts." not in k and ".experts." in k]
+    experts = {int(k.split(".experts.")[1].split(".")[0]) for k in expert_keys}
+    assert experts == set(range(8)) and all(k.endswith(("/exp_avg", "/exp_avg_sq", "/step")) for k in expert_keys)
+    for key, value in loaded.items():
+        owners = [s[key] for s in (state0, state1) if key in s]
+        assert owners, key  # every state entry was saved by some EP=2 rank
+        if ".experts." in key:
+            assert len(owners) == 1, key  # an expert lives on one EP rank
+        assert torch.equal(value, owners[0]), key
+    assert len(loaded) == len(set(state0) | set(state1))
 
 
 def test_interrupted_save_keeps_the_previous_checkpoint(data_dir, tmp_path):

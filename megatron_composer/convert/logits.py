@@ -11,27 +11,27 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from ..models import ParallelSizes, build_model, composer_forward
+from ..models import build_model, composer_forward
+from ..parallel.layout import ParallelLayout, initialize_parallel
 from ..platform import init_distributed
 from ..checkpoint import load_checkpoint
 from .config import model_config_from_dict
 from .hf import locate_checkpoint
 
 
-def load_checkpoint_model(load_dir: str, seq_length: int, parallel: ParallelSizes = ParallelSizes(),
+def load_checkpoint_model(load_dir: str, seq_length: int, layout: Optional[ParallelLayout] = None,
                           iteration: Optional[int] = None):
     """(GPTModel in eval mode, ModelConfig) of a checkpoint, fp32, on this process.
 
     Initializes torch.distributed (a single process if not launched) and
-    megatron-core's parallel state for `parallel`.
+    megatron-core's parallel state for `layout` (default: every rank a data-parallel replica).
     """
-    from ..training.loop import initialize_parallel  # heavy; only needed here
-
     root, it_dir, meta = locate_checkpoint(load_dir, iteration)
     cfg = model_config_from_dict(meta["model_config"])
-    init_distributed()
-    initialize_parallel(parallel, seed=0)
-    model = build_model(cfg, parallel, torch.float32, seq_length=seq_length)
+    env = init_distributed()
+    layout = layout or ParallelLayout(world_size=env.world_size)
+    initialize_parallel(layout, seed=0)
+    model = build_model(cfg, layout, torch.float32, seq_length=seq_length)
     load_checkpoint(root, model, iteration=int(meta.get("iteration", 0)))
     model.eval()
     return model, cfg
@@ -41,7 +41,7 @@ def checkpoint_logits(
     load_dir: str,
     tokens: Union[Sequence[int], torch.Tensor],
     include_mtp: bool = False,
-    parallel: ParallelSizes = ParallelSizes(),
+    layout: Optional[ParallelLayout] = None,
 ) -> torch.Tensor:
     """fp32 logits of a checkpoint for one sequence.
 
@@ -57,7 +57,7 @@ def checkpoint_logits(
     ids = torch.as_tensor(tokens, dtype=torch.long).reshape(1, -1)
     if not os.path.exists(load_dir):
         raise FileNotFoundError(f"no checkpoint at {load_dir}")
-    model, cfg = load_checkpoint_model(load_dir, ids.shape[1], parallel)
+    model, cfg = load_checkpoint_model(load_dir, ids.shape[1], layout)
     if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < cfg.vocab_size:
         raise ValueError(f"token ids must be in [0, vocab_size={cfg.vocab_size}); got "
                          f"min {int(ids.min())}, max {int(ids.max())}")

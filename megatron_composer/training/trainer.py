@@ -107,6 +107,11 @@ class Trainer:
                           moe_expert_precision=cfg.moe_precision.moe_expert_precision,
                           moe_dispatch_precision=cfg.moe_precision.moe_dispatch_precision,
                           calculate_per_token_loss=True)
+        if bf16_params:
+            # megatron-core builds its torch norms in fp32 whatever params_dtype says;
+            # Float16Module would cast them too. Buffers (expert-bias token counts) stay fp32.
+            for p in gpt.parameters():
+                p.data = p.data.to(torch.bfloat16)
         if cfg.mtp_freeze_trunk:
             if not model_cfg.mtp_num_layers:
                 raise ValueError("--mtp-freeze-trunk needs --mtp-num-layers >= 1")
