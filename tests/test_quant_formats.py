@@ -387,16 +387,66 @@ def test_per_token_error_is_smaller_with_outlier_tokens():
     assert errors["nvfp4_per_tensor", 1e6] > 0.5
 
 
-# ---------------------------------------------------------------- errors and helpers
+# ---------------------------------------------------------------- non-finite inputs
+
+NON_FINITE = (float("nan"), -float("nan"), float("inf"), -float("inf"))
 
 
-@pytest.mark.parametrize("fn", [quantize_mxfp8, quantize_nvfp4, quantize_nvfp4_per_tensor])
-def test_non_finite_input_raises(fn):
-    for bad in (float("nan"), float("inf"), -float("inf")):
+def test_e4m3_encodes_nan_and_inf_as_torch_casts_them():
+    x = torch.tensor(NON_FINITE)
+    assert encode_e4m3(x).tolist() == x.to(torch.float8_e4m3fn).view(torch.uint8).tolist() == [0x7F, 0xFF, 0x7E, 0xFE]
+    # E2M1 has no NaN: a zero code with the NaN's sign; inf saturates at +-6 (codes 7 and 15)
+    assert encode_e2m1(x).tolist() == [0x0, 0x8, 0x7, 0xF]
+
+
+def test_e8m0_nan_code_decodes_to_nan():
+    assert torch.isnan(decode_e8m0(torch.tensor([0xFF], dtype=torch.uint8))).all()
+    assert decode_e8m0(torch.tensor([0xFE], dtype=torch.uint8)).item() == 2.0**127
+
+
+def test_mxfp8_non_finite_value_makes_exactly_its_block_nan():
+    clean = varied_rows(6, 128, 32, seed=20)
+    ref = quantize_mxfp8(clean)
+    for bad in NON_FINITE:
+        x = clean.clone()
+        x[2, 37] = bad  # row 2, block 1 (elements 32..63)
+        q = quantize_mxfp8(x)
+        hit = torch.zeros(6, 4, dtype=torch.bool)
+        hit[2, 1] = True
+        assert q.scale[2, 1].item() == 0xFF and (q.data[2, 32:64] == 0x7F).all()
+        assert torch.equal(q.scale[~hit], ref.scale[~hit])
+        data_hit = hit.repeat_interleave(32, dim=1)
+        assert torch.equal(q.data[~data_hit], ref.data[~data_hit])
+        out = dequantize_mxfp8(q)
+        assert torch.isnan(out[data_hit]).all() and torch.isfinite(out[~data_hit]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_per_token_nvfp4_non_finite_value_makes_exactly_its_token_nan(dtype):
+    clean = varied_rows(6, 64, 16, seed=21).to(dtype).reshape(2, 3, 64)
+    ref = quantize_nvfp4(clean)
+    for bad in NON_FINITE:
+        x = clean.clone()
+        x[1, 0, 50] = bad
+        q = quantize_nvfp4(x)
+        hit = torch.zeros(2, 3, dtype=torch.bool)
+        hit[1, 0] = True
+        assert torch.isnan(q.token_scale[1, 0]) and (q.block_scale[1, 0] == 0x7F).all()
+        for field in ("data", "block_scale", "token_scale"):
+            assert torch.equal(getattr(q, field)[~hit], getattr(ref, field)[~hit]), field
+        out = dequantize_nvfp4(q)
+        assert torch.isnan(out[1, 0]).all() and torch.isfinite(out[~hit]).all()
+
+
+def test_per_tensor_nvfp4_non_finite_value_makes_every_row_nan():
+    for bad in NON_FINITE:
         x = torch.randn(4, 64)
         x[2, 7] = bad
-        with pytest.raises(ValueError, match="1 non-finite"):
-            fn(x)
+        q = quantize_nvfp4_per_tensor(x)
+        assert torch.isnan(q.token_scale).all() and torch.isnan(dequantize_nvfp4(q)).all()
+
+
+# ---------------------------------------------------------------- errors and helpers
 
 
 def test_last_dim_not_a_multiple_is_rejected_with_the_fix():

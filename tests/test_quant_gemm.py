@@ -203,6 +203,37 @@ def test_shape_errors_name_the_value_and_fix():
     assert quantized_linear(torch.randn(4, 40), torch.randn(80, 40), "bf16").shape == (4, 80)
 
 
+def nan_at(shape, *where):
+    """A bool mask of `shape` that is True on the given index expressions."""
+    mask = torch.zeros(shape, dtype=torch.bool)
+    for index in where:
+        mask[index] = True
+    return mask
+
+
+@pytest.mark.parametrize("precision", ["mxfp8", "nvfp4"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_operand_poisons_exactly_what_it_feeds(precision, bad):
+    """A non-finite x[3, 5] reaches y's token 3 and dw's input column 5, nothing else;
+    a non-finite w[7, 9] reaches y's output 7 and dx's input column 9; a non-finite
+    dy[4, 11] reaches dx's token 4 and dw's output row 11. No exception on the way."""
+    x, w, dy = operands(tokens=50)
+    cases = (
+        ((3, 5), None, None, nan_at((50, 96), 3), nan_at((50, 64)), nan_at((96, 64), (slice(None), 5))),
+        (None, (7, 9), None, nan_at((50, 96), (slice(None), 7)), nan_at((50, 64), (slice(None), 9)),
+         nan_at((96, 64))),
+        (None, None, (4, 11), nan_at((50, 96)), nan_at((50, 64), 4), nan_at((96, 64), 11)),
+    )
+    for at_x, at_w, at_dy, y_bad, dx_bad, dw_bad in cases:
+        xb, wb, dyb = x.clone(), w.clone(), dy.clone()
+        for t, at in ((xb, at_x), (wb, at_w), (dyb, at_dy)):
+            if at is not None:
+                t[at] = bad
+        y, dx, dw = run(xb, wb, dyb, precision)
+        for out, expected in ((y, y_bad), (dx, dx_bad), (dw, dw_bad)):
+            assert torch.equal(~torch.isfinite(out), expected)
+
+
 @pytest.mark.gpu
 def test_cuda_matches_cpu_emulation():
     x, w, dy = operands(tokens=50)

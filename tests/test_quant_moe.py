@@ -104,6 +104,22 @@ def test_quantized_experts_equal_per_expert_reference(precision, dtype):
     assert (out - bf16_out).norm() / bf16_out.norm() < 0.25
 
 
+@pytest.mark.parametrize("precision", ["nvfp4", "mxfp8"])
+def test_non_finite_token_poisons_only_that_token_and_its_expert(precision):
+    _, ours = _experts(precision)
+    x, counts, probs = _permuted_tokens(torch.float32)
+    x = x.detach().clone()
+    x[7, 3] = float("nan")  # token 7 is routed to expert 2 (tokens 5..13)
+    out, grads = _run(ours, x.requires_grad_(), counts, probs)
+    bad_token = torch.arange(x.shape[0]) == 7
+    assert torch.isnan(out[bad_token]).all() and torch.isfinite(out[~bad_token]).all()
+    for name in ("x", "probs"):
+        assert torch.equal(~torch.isfinite(grads[name]).reshape(x.shape[0], -1).all(-1), bad_token), name
+    for name, grad in grads.items():
+        if name.startswith("local_experts."):
+            assert bool(torch.isfinite(grad).all()) is not name.startswith("local_experts.2."), name
+
+
 def test_quantized_model_keeps_megatron_parameter_names_and_modules():
     from megatron_composer.models import build_model
     from megatron_composer.moe import MXFP8AlltoAllTokenDispatcher, QuantizedSequentialMLP

@@ -17,7 +17,9 @@ Everything else (routing, permutation, TP gathers, the combine all_to_all,
 unpermutation) is megatron's. The received tokens equal
 `fake_quantize(tokens, "mxfp8")` exactly, at any EP size: the quantization
 is per 32 elements of one token, so it commutes with the exchange, and it is
-applied at EP=1 too, so the numerics never depend on the EP layout.
+applied at EP=1 too, so the numerics never depend on the EP layout. A token
+holding inf/NaN arrives with its 32-element blocks that hold them all NaN
+(E8M0 NaN scale), never an exception, so the step's loss turns non-finite.
 
 Backward: the dispatch's gradient is the reverse all_to_all of the received
 tokens' gradient, sent unquantized (in the gradient's dtype, BF16/fp32), with

@@ -9,11 +9,13 @@ division, which is exact), never a cast whose rounding the hardware chooses.
 
 Element formats:
     E4M3 ('fn' flavour): 1 sign, 4 exponent (bias 7), 3 mantissa bits; max 448
-        (0x7E), subnormals down to 2**-9, no inf, 0x7F/0xFF are NaN and never
-        produced. Encoding saturates at +-448.
+        (0x7E), subnormals down to 2**-9, no inf, 0x7F/0xFF are NaN. Encoding
+        saturates at +-448 (+-inf included) and maps NaN to 0x7F/0xFF, sign
+        kept, as torch's `float8_e4m3fn` cast does.
     E2M1: 1 sign (bit 3 of the nibble), 2 exponent (bias 1), 1 mantissa bit;
-        magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6. Encoding saturates at +-6.
-    E8M0: a bare exponent, value 2**(bits - 127); 0xFF (NaN) never produced.
+        magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6. Encoding saturates at +-6. It
+        has no NaN: NaN encodes as a zero, and NVFP4 carries it in the scales.
+    E8M0: a bare exponent, value 2**(bits - 127); 0xFF is NaN.
 Signed zeros keep their sign when encoded (E4M3 0x80, E2M1 nibble 0x8), as
 torch's own `float8_e4m3fn` cast does; both decode to -0.0, which compares
 equal to 0.0.
@@ -31,6 +33,19 @@ Block recipes:
         whole tensor (`quantize_nvfp4_per_tensor`); a per-token scale makes a
         token's quantization independent of every other token in the batch
         (batch invariance, causality), at one fp32 per row.
+
+Non-finite inputs (an overflowed activation, a NaN gradient) never raise:
+they propagate as NaN to exactly the values whose scale they touch, so the
+loss and gradients turn non-finite and the trainer's guard skips the step,
+without a host sync or a data-dependent branch in the quantizer:
+    MXFP8: a block holding inf or NaN gets the E8M0 NaN scale 0xFF and E4M3
+        NaN data 0x7F; the OCP MX spec decodes every element of a NaN-scaled
+        block as NaN, and so does `dequantize_mxfp8`. Other blocks are
+        untouched.
+    NVFP4 per token: a row holding inf or NaN gets token_scale NaN (and E4M3
+        NaN block scales 0x7F) and decodes as all NaN; other rows are
+        untouched.
+    NVFP4 per tensor: the one tensor scale turns NaN, so every row does.
 
 A last dimension that is not a multiple of the block size is rejected; pad it
 with `pad_to_block` first (zeros never change a block's amax).
@@ -50,6 +65,7 @@ NVFP4_SCALE_RANGE = E2M1_MAX * E4M3_MAX  # 2688: what token_scale maps amax(row)
 _E4M3_MANT_BITS, _E4M3_EMIN = 3, -6
 _E2M1_MANT_BITS, _E2M1_EMIN = 1, 0
 _E8M0_BIAS = 127
+_E8M0_NAN, _E4M3_NAN = 0xFF, 0x7F
 _ACCEPTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -128,7 +144,8 @@ def _exp2_int(e: torch.Tensor) -> torch.Tensor:
     return torch.where(e >= -126, normal, subnormal).view(torch.float32)
 
 
-def _encode_minifloat(x: torch.Tensor, mant_bits: int, emin: int, max_value: float, sign_bit: int) -> torch.Tensor:
+def _encode_minifloat(x: torch.Tensor, mant_bits: int, emin: int, max_value: float, sign_bit: int,
+                      nan_code: int) -> torch.Tensor:
     """Round fp32 to a small float format by round-to-nearest-even, saturating.
 
     On the fp32 bit layout: `emin` is the exponent of the target's smallest
@@ -142,7 +159,8 @@ def _encode_minifloat(x: torch.Tensor, mant_bits: int, emin: int, max_value: flo
     fields, subnormals included.
 
     Args:
-        x: any shape, float32; +-inf saturates, NaN gives an unspecified code.
+        x: any shape, float32; +-inf saturates.
+        nan_code: the magnitude code NaN maps to; the NaN's sign bit is kept.
     Returns:
         same shape, uint8 codes, sign in bit `sign_bit`.
     """
@@ -154,6 +172,8 @@ def _encode_minifloat(x: torch.Tensor, mant_bits: int, emin: int, max_value: flo
     quantum = quantum_bits.view(torch.float32)
     rounded = mag.div_(quantum).round_().mul_(quantum).clamp_(max=max_value)
     code = rounded.mul_(2.0 ** -(126 + emin)).view(torch.int32).bitwise_right_shift_(23 - mant_bits)
+    # NaN survives the arithmetic as fp32 NaN, whose shifted bits are no code of the target.
+    code = torch.where(torch.isnan(x), nan_code, code)
     sign = (bits >> 31).bitwise_and_(1 << sign_bit)
     return code.bitwise_or_(sign).to(torch.uint8)
 
@@ -182,11 +202,12 @@ def encode_e4m3(x: torch.Tensor) -> torch.Tensor:
     """Round to E4M3 ('fn') by round-to-nearest-even, saturating at +-448.
 
     Args:
-        x: any shape, float32, not NaN.
+        x: any shape, float32; +-inf saturates to +-448.
     Returns:
-        same shape, uint8 E4M3 bit patterns (never 0x7F/0xFF).
+        same shape, uint8 E4M3 bit patterns; 0x7F/0xFF (NaN, sign kept) only
+        where x is NaN.
     """
-    return _encode_minifloat(x, _E4M3_MANT_BITS, _E4M3_EMIN, E4M3_MAX, 7)
+    return _encode_minifloat(x, _E4M3_MANT_BITS, _E4M3_EMIN, E4M3_MAX, 7, nan_code=_E4M3_NAN)
 
 
 def decode_e4m3(bits: torch.Tensor) -> torch.Tensor:
@@ -205,11 +226,12 @@ def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
     """Round to E2M1 by round-to-nearest-even, saturating at +-6.
 
     Args:
-        x: any shape, float32, not NaN.
+        x: any shape, float32; +-inf saturates to +-6, NaN (which E2M1
+            cannot encode) gives a zero code with the NaN's sign.
     Returns:
         same shape, uint8 codes in [0, 15], sign in bit 3.
     """
-    return _encode_minifloat(x, _E2M1_MANT_BITS, _E2M1_EMIN, E2M1_MAX, 3)
+    return _encode_minifloat(x, _E2M1_MANT_BITS, _E2M1_EMIN, E2M1_MAX, 3, nan_code=0)
 
 
 def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
@@ -225,14 +247,15 @@ def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
 
 
 def decode_e8m0(bits: torch.Tensor) -> torch.Tensor:
-    """E8M0 bit patterns to 2**(bits - 127) as exact fp32 (0xFF is never produced).
+    """E8M0 bit patterns to 2**(bits - 127) as exact fp32, and 0xFF to NaN.
 
     Args:
-        bits: any shape, uint8 in [0, 254].
+        bits: any shape, uint8.
     Returns:
         same shape, float32.
     """
-    return _exp2_int(bits.to(torch.int32) - _E8M0_BIAS)
+    value = _exp2_int(bits.to(torch.int32).clamp(max=_E8M0_NAN - 1) - _E8M0_BIAS)
+    return torch.where(bits == _E8M0_NAN, float("nan"), value)
 
 
 def _checked_fp32(x: torch.Tensor, block: int, name: str) -> torch.Tensor:
@@ -258,44 +281,39 @@ def _blocked(x: torch.Tensor, block: int) -> torch.Tensor:
     return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
 
 
-def _check_finite(amax: torch.Tensor, x: torch.Tensor, name: str) -> None:
-    """Raise if any amax is inf/nan (amax propagates both), counting the culprits in x."""
-    if not bool(torch.isfinite(amax).all()):
-        bad = int((~torch.isfinite(x)).sum())
-        raise ValueError(
-            f"{name}: input has {bad} non-finite values (inf/nan) of {x.numel()}; "
-            f"these formats cannot encode them, find the overflow upstream or skip the step"
-        )
-
-
 def quantize_mxfp8(x: torch.Tensor) -> MXFP8Tensor:
     """Quantize to MXFP8: E4M3 elements, one E8M0 scale per 32 along the last dim.
 
     Block scale 2**e, e the smallest integer with amax(block) <= 448 * 2**e,
     clamped to [-127, 127]; elements are E4M3(x / 2**e). An all-zero block gets
-    scale bits 0 (2**-127) and zero data.
+    scale bits 0 (2**-127) and zero data. A block holding inf or NaN gets the
+    NaN scale 0xFF and NaN data 0x7F (`amax` propagates NaN, so one test per
+    block finds it), and dequantizes to all NaN.
 
     Args:
-        x: [..., k] float32/bfloat16/float16, finite, k a multiple of 32.
+        x: [..., k] float32/bfloat16/float16, k a multiple of 32.
     Returns:
         MXFP8Tensor with data [..., k] uint8 and scale [..., k // 32] uint8.
     """
     x = _checked_fp32(x, MXFP8_BLOCK, "quantize_mxfp8")
     blocks = _blocked(x, MXFP8_BLOCK)
     amax = blocks.abs().amax(dim=-1)
-    _check_finite(amax, x, "quantize_mxfp8")
+    finite = torch.isfinite(amax)
     # amax = f * 2**p with f in [0.5, 1) and 448 = 0.875 * 2**9, so
     # amax <= 448 * 2**e  <=>  e >= p - 9 (f <= 0.875) or e >= p - 8 (f > 0.875).
     frac, p = torch.frexp(amax)
     e = torch.where(frac > 0.875, p - 8, p - 9)
     e = torch.where(amax == 0, -_E8M0_BIAS, e).clamp(-_E8M0_BIAS, _E8M0_BIAS)
     scaled = blocks / _exp2_int(e).unsqueeze(-1)
-    data = encode_e4m3(scaled).reshape(x.shape)
-    return MXFP8Tensor(data=data, scale=(e + _E8M0_BIAS).to(torch.uint8))
+    data = torch.where(finite.unsqueeze(-1), encode_e4m3(scaled), _E4M3_NAN).to(torch.uint8)
+    scale = torch.where(finite, e + _E8M0_BIAS, _E8M0_NAN).to(torch.uint8)
+    return MXFP8Tensor(data=data.reshape(x.shape), scale=scale)
 
 
 def dequantize_mxfp8(q: MXFP8Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Exact inverse of `quantize_mxfp8`'s encoding: E4M3 value * 2**(scale - 127).
+
+    A NaN scale (0xFF) makes its whole block NaN, as the OCP MX spec decodes it.
 
     Args:
         q: MXFP8Tensor, data [..., k] uint8, scale [..., k // 32] uint8.
@@ -328,11 +346,14 @@ def _nvfp4_blocks(x: torch.Tensor, block_amax: torch.Tensor, token_scale: torch.
     """The NVFP4 block level of fp32 x [..., k], given its block amax [..., k // 16] and token scale [...]."""
     blocks = _blocked(x, NVFP4_BLOCK)
     ts = token_scale.unsqueeze(-1)
-    block_scale = encode_e4m3(block_amax / (E2M1_MAX * ts))
+    # A NaN token scale (a non-finite row) gives the positive NaN code, whatever sign the NaN carries.
+    block_scale = torch.where(torch.isnan(ts), _E4M3_NAN, encode_e4m3(block_amax / (E2M1_MAX * ts))).to(torch.uint8)
     denom = (decode_e4m3(block_scale) * ts).unsqueeze(-1)  # one fp32 product
-    # A block whose scale rounds to zero (or whose product underflows) stores zeros.
-    codes = torch.where(denom == 0, torch.zeros((), dtype=torch.uint8, device=x.device),
-                        encode_e2m1(blocks / torch.where(denom == 0, 1.0, denom)))
+    # A block whose scale rounds to zero (or whose product underflows) stores zeros, and so
+    # does a NaN row, whose scales alone carry the NaN.
+    usable = (denom != 0) & ~torch.isnan(denom)
+    codes = torch.where(usable, encode_e2m1(blocks / torch.where(usable, denom, 1.0)),
+                        torch.zeros((), dtype=torch.uint8, device=x.device))
     return NVFP4Tensor(
         data=_pack_nibbles(codes.reshape(x.shape)),
         block_scale=block_scale,
@@ -341,9 +362,11 @@ def _nvfp4_blocks(x: torch.Tensor, block_amax: torch.Tensor, token_scale: torch.
 
 
 def _token_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
-    """amax / 2688, with 1 where that is zero (an all-zero row, or one that underflows)."""
+    """amax / 2688, with 1 where that is zero (an all-zero row, or one that underflows)
+    and NaN where amax is inf or NaN (every block scale of the row then encodes as NaN)."""
     scale = amax / NVFP4_SCALE_RANGE
-    return torch.where(scale == 0, torch.ones_like(scale), scale)
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    return torch.where(torch.isfinite(amax), scale, float("nan"))
 
 
 def quantize_nvfp4(x: torch.Tensor) -> NVFP4Tensor:
@@ -354,17 +377,18 @@ def quantize_nvfp4(x: torch.Tensor) -> NVFP4Tensor:
     and it stores zeros); block_scale = E4M3(amax(block) / (6 * token_scale));
     element = E2M1(x / (block_scale * token_scale)). Every step is an IEEE fp32
     operation rounded to nearest; a block whose scale rounds to zero stores
-    zero codes. Each row's result depends on that row alone.
+    zero codes. Each row's result depends on that row alone; a row holding inf
+    or NaN gets token_scale NaN, block scales 0x7F (NaN) and zero codes, and
+    dequantizes to all NaN.
 
     Args:
-        x: [..., k] float32/bfloat16/float16, finite, k a multiple of 16.
+        x: [..., k] float32/bfloat16/float16, k a multiple of 16.
     Returns:
         NVFP4Tensor with data [..., k // 2] uint8, block_scale [..., k // 16]
         uint8, token_scale [...] float32.
     """
     x = _checked_fp32(x, NVFP4_BLOCK, "quantize_nvfp4")
     block_amax = _blocked(x, NVFP4_BLOCK).abs().amax(dim=-1)
-    _check_finite(block_amax, x, "quantize_nvfp4")
     row_amax = block_amax.amax(dim=-1) if block_amax.shape[-1] else block_amax.new_zeros(x.shape[:-1])
     return _nvfp4_blocks(x, block_amax, _token_scale_from_amax(row_amax))
 
@@ -375,16 +399,16 @@ def quantize_nvfp4_per_tensor(x: torch.Tensor) -> NVFP4Tensor:
     Same block level as `quantize_nvfp4`; the tensor scale is broadcast into
     `token_scale` (every row holds the same value), so `dequantize_nvfp4`
     decodes both recipes. A row's result depends on every row of the tensor:
-    one outlier token coarsens every other token's quantization.
+    one outlier token coarsens every other token's quantization, and one
+    inf/NaN makes the tensor scale, hence every row, NaN.
 
     Args:
-        x: [..., k] float32/bfloat16/float16, finite, k a multiple of 16.
+        x: [..., k] float32/bfloat16/float16, k a multiple of 16.
     Returns:
         NVFP4Tensor as `quantize_nvfp4`, token_scale [...] all equal.
     """
     x = _checked_fp32(x, NVFP4_BLOCK, "quantize_nvfp4_per_tensor")
     block_amax = _blocked(x, NVFP4_BLOCK).abs().amax(dim=-1)
-    _check_finite(block_amax, x, "quantize_nvfp4_per_tensor")
     amax = block_amax.amax() if block_amax.numel() else block_amax.new_zeros(())
     scale = _token_scale_from_amax(amax).expand(x.shape[:-1]).contiguous()
     return _nvfp4_blocks(x, block_amax, scale)

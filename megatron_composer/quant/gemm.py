@@ -23,6 +23,13 @@ Emulation: dequantize to fp32 and run an fp32 matmul, which equals a kernel
 that accumulates the exact products in fp32, up to accumulation order. No
 Transformer Engine kernel is wired in here; this emulation is the reference
 such a kernel has to match. Results come back in the inputs' dtypes.
+
+Non-finite operands never raise (no host sync, no data-dependent branch):
+the quantizers turn an inf/NaN into NaN scales (`quant/formats.py`), and the
+block that holds it feeds exactly the outputs an fp32 GEMM would make
+non-finite: a bad x[t, i] reaches y[t, :] and dw[:, i], a bad w[o, i] reaches
+y[:, o] and dx[:, i], a bad dy[t, o] reaches dx[t, :] and dw[o, :]. The loss
+and gradients then turn non-finite and the trainer skips the step.
 """
 from __future__ import annotations
 
