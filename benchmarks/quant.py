@@ -119,13 +119,14 @@ def _measure_dispatch_worker(rank: int, world: int, port: int, outdir: str, hidd
     from megatron.core.transformer.spec_utils import build_module
 
     from megatron_composer.config import get_preset
-    from megatron_composer.models import ParallelSizes, transformer_config
+    from megatron_composer.models import transformer_config
     from megatron_composer.models.builder import composer_block_spec
+    from megatron_composer.parallel import ParallelLayout
+    from megatron_composer.parallel.layout import initialize_parallel
     from megatron_composer.platform import init_distributed
-    from megatron_composer.training.loop import initialize_parallel
 
     init_distributed()
-    parallel = ParallelSizes(expert_model_parallel_size=world)
+    parallel = ParallelLayout(world_size=world, ep=world)
     initialize_parallel(parallel, seed=1234)
     cfg = dataclasses.replace(get_preset("tiny"), hidden_size=hidden)
     tconfig = transformer_config(cfg, parallel, params_dtype=torch.bfloat16)
