@@ -38,6 +38,7 @@ setup(
         "tensorboard",
         "wandb",
         "tqdm",
+        "xxhash",  # checkpoint file checksums
     ],
     extras_require={
         "test": ["pytest", "transformers"],

@@ -1,6 +1,6 @@
 """Context-parallel MLA: all-gather the KV latents, not the expanded K/V.
 
-The Composer 2 report's scheme (DESIGN.md section 6). Per layer, each CP rank
+The Composer 2 report's scheme. Per layer, each CP rank
 
 1. computes its local KV latents: `linear_kv_down_proj` -> split into the
    compressed kv (then `kv_layernorm`) and the shared rope key, RoPE applied

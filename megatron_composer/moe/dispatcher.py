@@ -1,7 +1,7 @@
 """MXFP8 expert-parallel dispatch: the alltoall dispatcher sending E4M3 data + E8M0 scales.
 
 Composer sends the MoE dispatch payload in MXFP8 and combines in BF16
-(DESIGN.md section 7): the dispatch carries 1 + 1/32 bytes per hidden
+(README "Low precision"): the dispatch carries 1 + 1/32 bytes per hidden
 element instead of 2. megatron-core 0.16.1's `MoEAlltoAllTokenDispatcher`
 sends the hidden states as they are; we subclass it and override only
 `token_dispatch`, the step that calls `all_to_all` on the permuted tokens:

@@ -1,7 +1,7 @@
 """Quantized routed experts: megatron-core's SequentialMLP with NVFP4/MXFP8 GEMMs.
 
 Composer runs the MoE expert GEMMs in NVFP4 forward and MXFP8 backward
-(DESIGN.md section 7). megatron-core 0.16.1 has low-precision experts only
+(README "Low precision"). megatron-core 0.16.1 has low-precision experts only
 through Transformer Engine (TEGroupedMLP with `config.fp8`/`config.fp4`), and
 TE's NVFP4 uses one fp32 scale per tensor, the recipe Composer rejected. So we
 keep everything megatron-core does around the GEMMs (token split per expert,

@@ -3,7 +3,7 @@
 * dense mesh TP x CP x DP x PP: attention, dense MLPs, embeddings;
 * expert mesh ETP x EP x EDP x PP: routed experts. EP is carved out of the
   DP x CP ranks of a pipeline stage, so EP=8 fits CP=2 x DP=4 (CPT) as well
-  as CP=8 x DP=1 (RL) on 8 GPUs (Composer 2 report; DESIGN.md section 6).
+  as CP=8 x DP=1 (RL) on 8 GPUs (the Composer 2 report's layouts).
 
 `ParallelLayout` validates the sizes up front with errors that say what
 would fit, computes every group with megatron-core's own `RankGenerator`
