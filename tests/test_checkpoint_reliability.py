@@ -347,3 +347,28 @@ def test_failures_on_one_rank_reach_every_rank(tmp_path):
         assert "rank 1: refusing to save iteration 2" in out["nonfinite"] and "0.weight" in out["nonfinite"]
         assert out["listing"] == ["iter_0000001", ck.TRACKER]
         assert f"rank 1: {tmp_path}/iter_0000001/{outs[0]['damaged']} has" in out["damage"]
+
+
+def _sized_gpt(rank, world, root, sharding):
+    from megatron_composer.config import get_preset
+    from megatron_composer.data.datasets import RandomTokenDataset
+    from megatron_composer.models import ParallelSizes
+    from megatron_composer.platform import init_distributed
+    from megatron_composer.training.loop import Trainer
+
+    init_distributed()
+    tr = Trainer(get_preset("tiny"), ParallelSizes(expert_model_parallel_size=2), RandomTokenDataset(8, 64, 4096),
+                 seq_length=64, micro_batch_size=1, global_batch_size=2, data_parallel_sharding=sharding,
+                 dense_shard_size=2 if sharding == "hsdp" else None)
+    expected = ck.expected_checkpoint_bytes(tr.model)
+    ck.save_checkpoint(root, 1, tr.model, None, {})
+    return expected, len(ck.model_state_dict(tr.model))
+
+
+@pytest.mark.parametrize("sharding", ["ddp", "hsdp"])
+def test_expected_bytes_match_the_files_under_expert_parallelism(tmp_path, sharding):
+    """EP=2 on 2 ranks: each rank holds half the experts under the same local names,
+    and HSDP holds shards of every tensor; the estimate must still be the global size."""
+    (expected, n), _ = run_distributed(_sized_gpt, 2, str(tmp_path), sharding)
+    on_disk = sum(f.stat().st_size for f in (tmp_path / "iter_0000001").glob("*.distcp"))
+    assert expected <= on_disk <= expected + 2048 * 2 * n, (expected, on_disk)
