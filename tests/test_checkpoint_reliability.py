@@ -93,6 +93,17 @@ def test_kill_during_a_resave_keeps_latest_loadable(tmp_path, point):
     assert sorted(os.listdir(tmp_path)) == ["iter_0000001", ck.TRACKER]
 
 
+def test_resave_over_a_leftover_old_copy(tmp_path):
+    """A re-save killed after moving iter_1 aside (iter_1.old, no iter_1) is settled by the next save."""
+    _save(tmp_path, 1, _model(0), tag="first")
+    os.rename(tmp_path / "iter_0000001", tmp_path / "iter_0000001.old")
+    assert ck.load_checkpoint(str(tmp_path), _model(5))["tag"] == "first"  # readers use the old copy
+    _save(tmp_path, 1, _model(3), tag="second")
+    fresh = _model(5)
+    assert ck.load_checkpoint(str(tmp_path), fresh)["tag"] == "second" and _same(fresh, _model(3))
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000001", ck.TRACKER]
+
+
 # ---------------------------------------------------------------- B: damaged files
 def test_flipped_byte_in_a_shard_is_named(tmp_path):
     model = _model(0, width=256)
@@ -123,6 +134,51 @@ def test_manifest_covers_every_file_of_the_iteration(tmp_path):
     meta = (it_dir / "meta.json").read_bytes()
     assert manifest["meta.json"] == {"bytes": len(meta), "xxh3_64": xxhash.xxh3_64(meta).hexdigest()}
     assert file_digest(str(it_dir / "meta.json")) == xxhash.xxh3_64_hexdigest(meta)
+
+
+class _WithMainParams:
+    """An optimizer wrapper with state the model's parameters do not key: an fp32 copy of each."""
+
+    def __init__(self, model):
+        self.inner = _stepped_adam(model)
+        self.main = {p: p.detach().double() + 0.5 for p in model.parameters()}
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    def sharded_state_dict(self, names):
+        from megatron_composer.checkpoint.state import name_keyed_optimizer_state
+
+        state = name_keyed_optimizer_state(self.inner, names)
+        state.update({f"{names[p]}/main": m for p, m in self.main.items()})
+        return state
+
+    def load_sharded_state_dict(self, state, names):
+        from megatron_composer.checkpoint.state import load_name_keyed_optimizer_state
+
+        load_name_keyed_optimizer_state(self.inner, state, names)
+        for p, m in self.main.items():
+            m.copy_(state[f"{names[p]}/main"])
+
+
+def test_optimizer_with_its_own_name_keyed_state(tmp_path):
+    model = _model(0)
+    opt = _WithMainParams(model)
+    _save(tmp_path, 1, model, opt)
+    target = _model(1)
+    restored = _WithMainParams(target)
+    ck.load_checkpoint(str(tmp_path), target, restored)
+    for saved, loaded in zip(opt.main.values(), restored.main.values()):
+        assert torch.equal(saved, loaded) and loaded.dtype == torch.float64
+    assert torch.equal(restored.inner.state[target[0].weight]["exp_avg"], opt.inner.state[model[0].weight]["exp_avg"])
+    n, count = sum(p.numel() for p in model.parameters()), len(list(model.parameters()))
+    # fp32 weights, exp_avg, exp_avg_sq; fp32 step scalars; fp64 main copies
+    assert ck.expected_checkpoint_bytes(model, opt) == 3 * 4 * n + 4 * count + 8 * n
 
 
 # ---------------------------------------------------------------- C: every load failure is one clear error
