@@ -189,10 +189,12 @@ def _truncate(path):
 _DAMAGE = {
     # name: (damage(root), verify, text the message must hold)
     "truncated shard": (lambda r: _truncate(_shard(r)), True, r"__0_0\.distcp has \d+ bytes, \d+ were written"),
-    "truncated shard, unverified": (lambda r: _truncate(_shard(r)), False, r"could not read checkpoint .*iter_0000001.*damaged"),
+    "truncated shard, unverified": (lambda r: _truncate(_shard(r)), False,
+                                    r"could not read checkpoint .*iter_0000001.*damaged"),
     "missing shard": (lambda r: _shard(r).unlink(), True, r"__0_0\.distcp is missing"),
     "missing shard, unverified": (lambda r: _shard(r).unlink(), False, r"__0_0\.distcp.*damaged or incomplete"),
-    "bad meta.json": (lambda r: (_shard(r).parent / "meta.json").write_text("{"), True, r"meta\.json \(JSONDecodeError"),
+    "bad meta.json": (lambda r: (_shard(r).parent / "meta.json").write_text("{"), True,
+                      r"meta\.json \(JSONDecodeError"),
     "bad rng file": (lambda r: (_shard(r).parent / "rng_rank0.pt").write_bytes(b"junk"), False,
                      r"rng file .*rng_rank0\.pt is unreadable"),
     "bad .metadata": (lambda r: (_shard(r).parent / ".metadata").write_bytes(b"junk"), False,
@@ -278,7 +280,8 @@ def test_full_disk_keeps_the_previous_checkpoint(tmp_path, monkeypatch, iteratio
 
     _save(tmp_path, 1, _model(0), tag="first")
     monkeypatch.setattr(FileSystem, "create_stream", _enospc_stream)
-    with pytest.raises(CheckpointSaveError, match=r"iter_000000\d\.tmp: .*No space left on device.*iter_0000001 is kept"):
+    with pytest.raises(CheckpointSaveError,
+                       match=r"iter_000000\d\.tmp: .*No space left on device.*iter_0000001 is kept"):
         _save(tmp_path, iteration, _model(1), tag="second")
     monkeypatch.undo()
     assert sorted(os.listdir(tmp_path)) == ["iter_0000001", ck.TRACKER]  # no partial .tmp left
@@ -353,8 +356,6 @@ def test_non_finite_weights_are_not_saved(tmp_path):
 
 # ---------------------------------------------------------------- several ranks
 def _two_ranks(rank, world, root):
-    from torch.distributed.checkpoint.filesystem import FileSystem
-
     model = _model(0, width=64)
     opt = _stepped_adam(model)
     _save(root, 1, model, opt, tag="first")
@@ -389,7 +390,6 @@ def _two_ranks(rank, world, root):
         ck.load_checkpoint(root, _model(2, width=64))
     except CheckpointError as exc:
         out["damage"] = str(exc)
-    del FileSystem
     return out
 
 
