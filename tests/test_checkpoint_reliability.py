@@ -93,6 +93,17 @@ def test_kill_during_a_resave_keeps_latest_loadable(tmp_path, point):
     assert sorted(os.listdir(tmp_path)) == ["iter_0000001", ck.TRACKER]
 
 
+def test_resave_over_a_leftover_old_copy(tmp_path):
+    """A re-save killed after moving iter_1 aside (iter_1.old, no iter_1) is settled by the next save."""
+    _save(tmp_path, 1, _model(0), tag="first")
+    os.rename(tmp_path / "iter_0000001", tmp_path / "iter_0000001.old")
+    assert ck.load_checkpoint(str(tmp_path), _model(5))["tag"] == "first"  # readers use the old copy
+    _save(tmp_path, 1, _model(3), tag="second")
+    fresh = _model(5)
+    assert ck.load_checkpoint(str(tmp_path), fresh)["tag"] == "second" and _same(fresh, _model(3))
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000001", ck.TRACKER]
+
+
 # ---------------------------------------------------------------- B: damaged files
 def test_flipped_byte_in_a_shard_is_named(tmp_path):
     model = _model(0, width=256)
@@ -125,6 +136,51 @@ def test_manifest_covers_every_file_of_the_iteration(tmp_path):
     assert file_digest(str(it_dir / "meta.json")) == xxhash.xxh3_64_hexdigest(meta)
 
 
+class _WithMainParams:
+    """An optimizer wrapper with state the model's parameters do not key: an fp32 copy of each."""
+
+    def __init__(self, model):
+        self.inner = _stepped_adam(model)
+        self.main = {p: p.detach().double() + 0.5 for p in model.parameters()}
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    def sharded_state_dict(self, names):
+        from megatron_composer.checkpoint.state import name_keyed_optimizer_state
+
+        state = name_keyed_optimizer_state(self.inner, names)
+        state.update({f"{names[p]}/main": m for p, m in self.main.items()})
+        return state
+
+    def load_sharded_state_dict(self, state, names):
+        from megatron_composer.checkpoint.state import load_name_keyed_optimizer_state
+
+        load_name_keyed_optimizer_state(self.inner, state, names)
+        for p, m in self.main.items():
+            m.copy_(state[f"{names[p]}/main"])
+
+
+def test_optimizer_with_its_own_name_keyed_state(tmp_path):
+    model = _model(0)
+    opt = _WithMainParams(model)
+    _save(tmp_path, 1, model, opt)
+    target = _model(1)
+    restored = _WithMainParams(target)
+    ck.load_checkpoint(str(tmp_path), target, restored)
+    for saved, loaded in zip(opt.main.values(), restored.main.values()):
+        assert torch.equal(saved, loaded) and loaded.dtype == torch.float64
+    assert torch.equal(restored.inner.state[target[0].weight]["exp_avg"], opt.inner.state[model[0].weight]["exp_avg"])
+    n, count = sum(p.numel() for p in model.parameters()), len(list(model.parameters()))
+    # fp32 weights, exp_avg, exp_avg_sq; fp32 step scalars; fp64 main copies
+    assert ck.expected_checkpoint_bytes(model, opt) == 3 * 4 * n + 4 * count + 8 * n
+
+
 # ---------------------------------------------------------------- C: every load failure is one clear error
 def _truncate(path):
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
@@ -133,10 +189,12 @@ def _truncate(path):
 _DAMAGE = {
     # name: (damage(root), verify, text the message must hold)
     "truncated shard": (lambda r: _truncate(_shard(r)), True, r"__0_0\.distcp has \d+ bytes, \d+ were written"),
-    "truncated shard, unverified": (lambda r: _truncate(_shard(r)), False, r"could not read checkpoint .*iter_0000001.*damaged"),
+    "truncated shard, unverified": (lambda r: _truncate(_shard(r)), False,
+                                    r"could not read checkpoint .*iter_0000001.*damaged"),
     "missing shard": (lambda r: _shard(r).unlink(), True, r"__0_0\.distcp is missing"),
     "missing shard, unverified": (lambda r: _shard(r).unlink(), False, r"__0_0\.distcp.*damaged or incomplete"),
-    "bad meta.json": (lambda r: (_shard(r).parent / "meta.json").write_text("{"), True, r"meta\.json \(JSONDecodeError"),
+    "bad meta.json": (lambda r: (_shard(r).parent / "meta.json").write_text("{"), True,
+                      r"meta\.json \(JSONDecodeError"),
     "bad rng file": (lambda r: (_shard(r).parent / "rng_rank0.pt").write_bytes(b"junk"), False,
                      r"rng file .*rng_rank0\.pt is unreadable"),
     "bad .metadata": (lambda r: (_shard(r).parent / ".metadata").write_bytes(b"junk"), False,
@@ -222,7 +280,8 @@ def test_full_disk_keeps_the_previous_checkpoint(tmp_path, monkeypatch, iteratio
 
     _save(tmp_path, 1, _model(0), tag="first")
     monkeypatch.setattr(FileSystem, "create_stream", _enospc_stream)
-    with pytest.raises(CheckpointSaveError, match=r"iter_000000\d\.tmp: .*No space left on device.*iter_0000001 is kept"):
+    with pytest.raises(CheckpointSaveError,
+                       match=r"iter_000000\d\.tmp: .*No space left on device.*iter_0000001 is kept"):
         _save(tmp_path, iteration, _model(1), tag="second")
     monkeypatch.undo()
     assert sorted(os.listdir(tmp_path)) == ["iter_0000001", ck.TRACKER]  # no partial .tmp left
@@ -297,8 +356,6 @@ def test_non_finite_weights_are_not_saved(tmp_path):
 
 # ---------------------------------------------------------------- several ranks
 def _two_ranks(rank, world, root):
-    from torch.distributed.checkpoint.filesystem import FileSystem
-
     model = _model(0, width=64)
     opt = _stepped_adam(model)
     _save(root, 1, model, opt, tag="first")
@@ -333,7 +390,6 @@ def _two_ranks(rank, world, root):
         ck.load_checkpoint(root, _model(2, width=64))
     except CheckpointError as exc:
         out["damage"] = str(exc)
-    del FileSystem
     return out
 
 
@@ -347,3 +403,28 @@ def test_failures_on_one_rank_reach_every_rank(tmp_path):
         assert "rank 1: refusing to save iteration 2" in out["nonfinite"] and "0.weight" in out["nonfinite"]
         assert out["listing"] == ["iter_0000001", ck.TRACKER]
         assert f"rank 1: {tmp_path}/iter_0000001/{outs[0]['damaged']} has" in out["damage"]
+
+
+def _sized_gpt(rank, world, root, sharding):
+    from megatron_composer.config import get_preset
+    from megatron_composer.data.datasets import RandomTokenDataset
+    from megatron_composer.models import ParallelSizes
+    from megatron_composer.platform import init_distributed
+    from megatron_composer.training.loop import Trainer
+
+    init_distributed()
+    tr = Trainer(get_preset("tiny"), ParallelSizes(expert_model_parallel_size=2), RandomTokenDataset(8, 64, 4096),
+                 seq_length=64, micro_batch_size=1, global_batch_size=2, data_parallel_sharding=sharding,
+                 dense_shard_size=2 if sharding == "hsdp" else None)
+    expected = ck.expected_checkpoint_bytes(tr.model)
+    ck.save_checkpoint(root, 1, tr.model, None, {})
+    return expected, len(ck.model_state_dict(tr.model))
+
+
+@pytest.mark.parametrize("sharding", ["ddp", "hsdp"])
+def test_expected_bytes_match_the_files_under_expert_parallelism(tmp_path, sharding):
+    """EP=2 on 2 ranks: each rank holds half the experts under the same local names,
+    and HSDP holds shards of every tensor; the estimate must still be the global size."""
+    (expected, n), _ = run_distributed(_sized_gpt, 2, str(tmp_path), sharding)
+    on_disk = sum(f.stat().st_size for f in (tmp_path / "iter_0000001").glob("*.distcp"))
+    assert expected <= on_disk <= expected + 2048 * 2 * n, (expected, on_disk)

@@ -37,8 +37,23 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from .integrity import MANIFEST, checksum_files, checksummed_files, files_for_rank, read_manifest, verify_files, write_manifest
-from .state import first_nonfinite, load_model_state_dict, load_optimizer_state_dict, model_state_dict, optimizer_state_dict, optimizer_template
+from .integrity import (
+    MANIFEST,
+    checksum_files,
+    checksummed_files,
+    files_for_rank,
+    read_manifest,
+    verify_files,
+    write_manifest,
+)
+from .state import (
+    first_nonfinite,
+    load_model_state_dict,
+    load_optimizer_state_dict,
+    model_state_dict,
+    optimizer_state_dict,
+    optimizer_template,
+)
 from .tracker import (
     DCP_METADATA,
     META,
@@ -257,7 +272,8 @@ def _dcp_load(root: str, iteration: int, path: str, state: dict) -> None:
             dcp.load(state, checkpoint_id=path)
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP raises anything from any rank
         reason = _dcp_reason(exc)
-        raise CheckpointError(f"could not read checkpoint {path}: {reason}; {_load_fix(root, iteration, reason)}") from None
+        fix = _load_fix(root, iteration, reason)
+        raise CheckpointError(f"could not read checkpoint {path}: {reason}; {fix}") from None
 
 
 def _stored_keys(path: str) -> set:

@@ -35,7 +35,8 @@ _STATE_COPIES = {"Adam": 2, "AdamW": 2, "Muon": 1, "ShardedMuon": 1, "SGD": 1}
 
 def _expert_parallel() -> tuple[int, int]:
     """(EP size, EP rank); (1, 0) before megatron-core's parallel state exists."""
-    return max(parallel_state.get_expert_model_parallel_world_size(), 1), parallel_state.get_expert_model_parallel_rank()
+    size = parallel_state.get_expert_model_parallel_world_size()
+    return max(size, 1), parallel_state.get_expert_model_parallel_rank()
 
 
 def _expert_offset(gpt) -> int:
@@ -169,14 +170,17 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 def first_nonfinite(state: dict[str, torch.Tensor]) -> Optional[str]:
     """Name of the first floating tensor of `state` holding NaN or Inf (this rank's shard), or None.
 
-    One host sync in all: the per-tensor flags are stacked on the device first.
+    A tensor is finite iff its min and max are (both propagate NaN);
+    `aminmax` is one pass and about 100x faster on CPU than
+    `isfinite(t).all()`. One host sync in all: the flags are stacked first.
     """
-    items = [(n, _local(t)) for n, t in state.items() if t.is_floating_point() or t.is_complex()]
+    items = [(n, _local(t)) for n, t in state.items() if t.is_floating_point()]
     items = [(n, t) for n, t in items if t.numel()]
     if not items:
         return None
-    finite = torch.stack([torch.isfinite(t).all().to(items[0][1].device) for _, t in items]).cpu()
-    bad = (~finite).nonzero()
+    device = items[0][1].device
+    finite = torch.stack([torch.stack(torch.aminmax(t.detach())).isfinite().all().to(device) for _, t in items])
+    bad = (~finite.cpu()).nonzero()
     return items[int(bad[0])][0] if len(bad) else None
 
 
@@ -189,40 +193,47 @@ def _expert_factor(local_name: str) -> int:
     return _expert_parallel()[0] if _LOCAL_EXPERT.match(local_name) else 1
 
 
+def _state_copies(optimizer, group: dict) -> int:
+    """Parameter-sized state tensors `optimizer` will keep for a parameter of `group`."""
+    kind = type(optimizer).__name__
+    if kind == "SGD":
+        return 1 if group.get("momentum") else 0
+    if kind in ("Adam", "AdamW") and group.get("amsgrad"):
+        return 3
+    return _STATE_COPIES.get(kind, 2)
+
+
 def expected_checkpoint_bytes(model, optimizer=None) -> int:
     """Bytes of tensor data one checkpoint of `model` (and `optimizer`) writes, all ranks together.
 
     Exact for the tensors (global shapes x dtype sizes): replicated tensors
     count once, FSDP2 DTensors at their global size, expert tensors times
     the EP size (each EP rank holds different experts under the same local
-    names). Excluded: DCP's per-file framing and `.metadata`, rng files,
-    meta.json and the manifest (tens of KB for the `tiny` preset, well under
-    1% for real ones). Optimizer state not created yet (before the first
-    step) is estimated from the optimizer class (`_STATE_COPIES`; 2 copies
-    of the parameter when unknown); an optimizer with `sharded_state_dict`
-    is sized from what that returns.
+    names). Optimizer state not created yet (before the first step) is
+    estimated from the optimizer class (`_STATE_COPIES`; 2 copies of the
+    parameter when unknown); an optimizer with `sharded_state_dict` is sized
+    from what that returns. Excluded: DCP's framing (about 1.5 KB per
+    tensor: 2.4% for the `tiny` preset, negligible for real ones),
+    `.metadata`, rng files, meta.json and the manifest; callers checking
+    free space add a margin.
     """
-    local_of = {}
-    for key, name, value in _model_items(model):
-        local_of[name] = key
-    total = sum(_global_bytes(v) * _expert_factor(k) for k, _, v in _model_items(model))
+    items = list(_model_items(model))
+    total = sum(_global_bytes(value) * _expert_factor(key) for key, _, value in items)
     if optimizer is None:
         return total
+    local_of = {name: key for key, name, _ in items}
     names = param_global_names(model)
     if hasattr(optimizer, "sharded_state_dict"):
         for key, value in optimizer.sharded_state_dict(names).items():
             total += _global_bytes(value) * _expert_factor(local_of.get(key.rsplit("/", 1)[0], ""))
         return total
     for opt in getattr(optimizer, "optimizers", [optimizer]):
-        copies = _STATE_COPIES.get(type(opt).__name__, 2)
         for group in opt.param_groups:
-            if type(opt).__name__ == "SGD" and not group.get("momentum"):
-                copies = 0
             for p in group["params"]:
-                factor = _expert_factor(local_of.get(names.get(p, ""), ""))
-                st = opt.state.get(p)
-                if st:
-                    total += factor * sum(_global_bytes(v) for v in st.values() if torch.is_tensor(v))
+                state = opt.state.get(p)
+                if state:
+                    nbytes = sum(_global_bytes(v) for v in state.values() if torch.is_tensor(v))
                 else:
-                    total += factor * copies * _global_bytes(p)
+                    nbytes = _state_copies(opt, group) * _global_bytes(p)
+                total += nbytes * _expert_factor(local_of.get(names.get(p, ""), ""))
     return total
