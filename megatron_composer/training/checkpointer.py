@@ -34,7 +34,9 @@ class Checkpointer:
         t = self.trainer
         for path in ckpt.remove_stale_tmp(self.cfg.save):
             self._print(f" removed {path}: an unfinished save of an earlier run")
-        ckpt.check_save_dir(self.cfg.save, ckpt.expected_checkpoint_bytes(t.model.module, t.optimizer))
+        # +5%: the estimate counts tensor bytes, not DCP's per-tensor framing
+        needed = int(ckpt.expected_checkpoint_bytes(t.model.module, t.optimizer) * 1.05)
+        ckpt.check_save_dir(self.cfg.save, needed)
 
     def meta(self) -> dict:
         t = self.trainer
