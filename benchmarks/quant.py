@@ -2,17 +2,21 @@
 
     python benchmarks/quant.py
 
-(a) MoE dispatch payload per token, MXFP8 (E4M3 data + one E8M0 scale per 32)
-    against BF16, for the kimi-k2.5 hidden size 7168 and the tiny model's 128.
-(b) NVFP4 relative error ||dq - x|| / ||x|| with one fp32 scale per token
+Each line says whether its figure is analytic (computed from the format
+definitions alone) or measured (from running the code).
+
+(a) analytic: MoE dispatch payload per token, MXFP8 (E4M3 data + one E8M0
+    scale per 32) against BF16, for the kimi-k2.5 hidden size 7168 and the
+    tiny model's 128: the sizes of the quantized tensors, no exchange.
+(b) measured: NVFP4 relative error ||dq - x|| / ||x|| with one fp32 scale per token
     against one per tensor, on activations where 1% of tokens are outliers.
     Reported as the mean of the per-token errors and over the whole batch (the
     latter is dominated by the outlier tokens themselves). The recipes only
     differ once an outlier is so large (about 448 / 2**-6 ~ 3e4 times another
     token's block amax) that that token's per-tensor block scales fall into
     E4M3's subnormals or to zero, so several outlier sizes are run.
-(c) CPU throughput of the exact emulating quantizers, in GB/s of fp32 input.
-(d) Measured dispatch bytes: one MoE layer (tiny preset, hidden 128 and 7168)
+(c) measured: CPU throughput of the exact emulating quantizers, in GB/s of fp32 input.
+(d) measured: dispatch bytes of one MoE layer (tiny preset, hidden 128 and 7168)
     at EP=2 over gloo, once with megatron's BF16 alltoall dispatcher and once
     with `moe.MXFP8AlltoAllTokenDispatcher`, counting the bytes handed to
     torch.distributed.all_to_all_single by the dispatch step (hidden states
@@ -49,7 +53,7 @@ def dispatch_bytes(hidden: int) -> None:
     q = quantize_mxfp8(token)
     bf16 = token.numel() * token.element_size()
     print(
-        f"(a) dispatch hidden={hidden}: mxfp8 {q.nbytes} B/token ({q.data.numel()} data + {q.scale.numel()} scale), "
+        f"(a) analytic: dispatch hidden={hidden}: mxfp8 {q.nbytes} B/token ({q.data.numel()} data + {q.scale.numel()} scale), "
         f"bf16 {bf16} B/token, ratio {q.nbytes / bf16:.4f} (target <= 0.53)"
     )
 
@@ -70,7 +74,7 @@ def nvfp4_outlier_error(tokens: int, hidden: int, outlier_scale: float) -> None:
     tok_mean, tok_batch = relative_errors(x, dequantize_nvfp4(quantize_nvfp4(x)))
     ten_mean, ten_batch = relative_errors(x, dequantize_nvfp4(quantize_nvfp4_per_tensor(x)))
     print(
-        f"(b) nvfp4, 1% of tokens x{outlier_scale:,.0f}: per-token scale err mean {tok_mean:.4f} "
+        f"(b) measured: nvfp4, 1% of tokens x{outlier_scale:,.0f}: per-token scale err mean {tok_mean:.4f} "
         f"batch {tok_batch:.4f} | per-tensor scale err mean {ten_mean:.4f} batch {ten_batch:.4f} | "
         f"per-tensor/per-token ratio mean {ten_mean / tok_mean:.2f} batch {ten_batch / tok_batch:.2f}"
     )
@@ -87,7 +91,7 @@ def throughput(name: str, fn, x: torch.Tensor, runs: int = 5) -> None:
     seconds = statistics.median(times)
     gbytes = x.numel() * x.element_size() / 1e9
     print(
-        f"(c) {name} quantize {tuple(x.shape)} fp32 on {torch.get_num_threads()} CPU threads: "
+        f"(c) measured: {name} quantize {tuple(x.shape)} fp32 on {torch.get_num_threads()} CPU threads: "
         f"median {seconds * 1e3:.0f} ms over {runs} runs, {gbytes / seconds:.2f} GB/s"
     )
 
@@ -152,7 +156,7 @@ def measured_dispatch_bytes(hidden: int, world: int = 2) -> None:
     bf16 = sum(r["bf16"][1] for r in results)
     mxfp8 = sum(r["mxfp8"][1] for r in results)
     print(
-        f"(d) measured dispatch at EP={world}, hidden={hidden}: {tokens} routed tokens sent, "
+        f"(d) measured: dispatch at EP={world}, hidden={hidden}: {tokens} routed tokens sent, "
         f"bf16 {bf16} B ({bf16 / tokens:.1f} B/token), mxfp8 {mxfp8} B ({mxfp8 / tokens:.1f} B/token), "
         f"ratio {mxfp8 / bf16:.4f}"
     )

@@ -14,7 +14,7 @@ Element formats:
         kept, as torch's `float8_e4m3fn` cast does.
     E2M1: 1 sign (bit 3 of the nibble), 2 exponent (bias 1), 1 mantissa bit;
         magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6. Encoding saturates at +-6. It
-        has no NaN: NaN encodes as a zero, and NVFP4 carries it in the scales.
+        has no NaN: NaN saturates too, and NVFP4 carries NaN in its scales.
     E8M0: a bare exponent, value 2**(bits - 127); 0xFF is NaN.
 Signed zeros keep their sign when encoded (E4M3 0x80, E2M1 nibble 0x8), as
 torch's own `float8_e4m3fn` cast does; both decode to -0.0, which compares
@@ -38,10 +38,9 @@ Non-finite inputs (an overflowed activation, a NaN gradient) never raise:
 they propagate as NaN to exactly the values whose scale they touch, so the
 loss and gradients turn non-finite and the trainer's guard skips the step,
 without a host sync or a data-dependent branch in the quantizer:
-    MXFP8: a block holding inf or NaN gets the E8M0 NaN scale 0xFF and E4M3
-        NaN data 0x7F; the OCP MX spec decodes every element of a NaN-scaled
-        block as NaN, and so does `dequantize_mxfp8`. Other blocks are
-        untouched.
+    MXFP8: a block holding inf or NaN gets the E8M0 NaN scale 0xFF; the OCP
+        MX spec decodes every element of a NaN-scaled block as NaN, and so
+        does `dequantize_mxfp8`. Other blocks are untouched.
     NVFP4 per token: a row holding inf or NaN gets token_scale NaN (and E4M3
         NaN block scales 0x7F) and decodes as all NaN; other rows are
         untouched.
@@ -145,7 +144,7 @@ def _exp2_int(e: torch.Tensor) -> torch.Tensor:
 
 
 def _encode_minifloat(x: torch.Tensor, mant_bits: int, emin: int, max_value: float, sign_bit: int,
-                      nan_code: int) -> torch.Tensor:
+                      top_code: int) -> torch.Tensor:
     """Round fp32 to a small float format by round-to-nearest-even, saturating.
 
     On the fp32 bit layout: `emin` is the exponent of the target's smallest
@@ -156,11 +155,15 @@ def _encode_minifloat(x: torch.Tensor, mant_bits: int, emin: int, max_value: flo
     to even, and the product back is exact. The rounded magnitude is a target
     value; multiplied by 2**-(126 + emin) it is an fp32 number whose bits,
     shifted right by 23 - mant_bits, are the target's exponent and mantissa
-    fields, subnormals included.
+    fields, subnormals included. A NaN stays NaN through the arithmetic (|x|
+    clears its sign), and the shifted bits of a positive fp32 NaN exceed every
+    code, so clamping at `top_code` is the one step that maps NaN, with no
+    extra pass over x.
 
     Args:
         x: any shape, float32; +-inf saturates.
-        nan_code: the magnitude code NaN maps to; the NaN's sign bit is kept.
+        top_code: the largest magnitude code, which NaN maps to (the target's
+            NaN where it has one); the NaN's sign bit is kept.
     Returns:
         same shape, uint8 codes, sign in bit `sign_bit`.
     """
@@ -172,8 +175,7 @@ def _encode_minifloat(x: torch.Tensor, mant_bits: int, emin: int, max_value: flo
     quantum = quantum_bits.view(torch.float32)
     rounded = mag.div_(quantum).round_().mul_(quantum).clamp_(max=max_value)
     code = rounded.mul_(2.0 ** -(126 + emin)).view(torch.int32).bitwise_right_shift_(23 - mant_bits)
-    # NaN survives the arithmetic as fp32 NaN, whose shifted bits are no code of the target.
-    code = torch.where(torch.isnan(x), nan_code, code)
+    code = code.clamp_(max=top_code)
     sign = (bits >> 31).bitwise_and_(1 << sign_bit)
     return code.bitwise_or_(sign).to(torch.uint8)
 
@@ -207,7 +209,7 @@ def encode_e4m3(x: torch.Tensor) -> torch.Tensor:
         same shape, uint8 E4M3 bit patterns; 0x7F/0xFF (NaN, sign kept) only
         where x is NaN.
     """
-    return _encode_minifloat(x, _E4M3_MANT_BITS, _E4M3_EMIN, E4M3_MAX, 7, nan_code=_E4M3_NAN)
+    return _encode_minifloat(x, _E4M3_MANT_BITS, _E4M3_EMIN, E4M3_MAX, 7, top_code=_E4M3_NAN)
 
 
 def decode_e4m3(bits: torch.Tensor) -> torch.Tensor:
@@ -226,12 +228,12 @@ def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
     """Round to E2M1 by round-to-nearest-even, saturating at +-6.
 
     Args:
-        x: any shape, float32; +-inf saturates to +-6, NaN (which E2M1
-            cannot encode) gives a zero code with the NaN's sign.
+        x: any shape, float32; +-inf saturates to +-6, and so does NaN,
+            which E2M1 cannot encode (sign of the NaN kept).
     Returns:
         same shape, uint8 codes in [0, 15], sign in bit 3.
     """
-    return _encode_minifloat(x, _E2M1_MANT_BITS, _E2M1_EMIN, E2M1_MAX, 3, nan_code=0)
+    return _encode_minifloat(x, _E2M1_MANT_BITS, _E2M1_EMIN, E2M1_MAX, 3, top_code=0x7)
 
 
 def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
@@ -287,8 +289,9 @@ def quantize_mxfp8(x: torch.Tensor) -> MXFP8Tensor:
     Block scale 2**e, e the smallest integer with amax(block) <= 448 * 2**e,
     clamped to [-127, 127]; elements are E4M3(x / 2**e). An all-zero block gets
     scale bits 0 (2**-127) and zero data. A block holding inf or NaN gets the
-    NaN scale 0xFF and NaN data 0x7F (`amax` propagates NaN, so one test per
-    block finds it), and dequantizes to all NaN.
+    NaN scale 0xFF (`amax` propagates NaN, so one test per block finds it)
+    and dequantizes to all NaN; its elements are encoded unscaled (e = 0),
+    NaN as 0x7F/0xFF.
 
     Args:
         x: [..., k] float32/bfloat16/float16, k a multiple of 32.
@@ -304,10 +307,10 @@ def quantize_mxfp8(x: torch.Tensor) -> MXFP8Tensor:
     frac, p = torch.frexp(amax)
     e = torch.where(frac > 0.875, p - 8, p - 9)
     e = torch.where(amax == 0, -_E8M0_BIAS, e).clamp(-_E8M0_BIAS, _E8M0_BIAS)
-    scaled = blocks / _exp2_int(e).unsqueeze(-1)
-    data = torch.where(finite.unsqueeze(-1), encode_e4m3(scaled), _E4M3_NAN).to(torch.uint8)
+    e = torch.where(finite, e, 0)  # frexp of inf/NaN is device-defined; keep the data reproducible
+    data = encode_e4m3(blocks / _exp2_int(e).unsqueeze(-1)).reshape(x.shape)
     scale = torch.where(finite, e + _E8M0_BIAS, _E8M0_NAN).to(torch.uint8)
-    return MXFP8Tensor(data=data.reshape(x.shape), scale=scale)
+    return MXFP8Tensor(data=data, scale=scale)
 
 
 def dequantize_mxfp8(q: MXFP8Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -100,7 +100,9 @@ def mxfp8_dgrad(grad_out: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         [tokens, in] float32.
     """
     dy_q = fake_quantize(grad_out, "mxfp8", torch.float32)
-    w_t_q = fake_quantize(weight.t(), "mxfp8", torch.float32)  # [in, out], blocks along out
+    # [in, out], blocks along out. Contiguous, so the matmul's operand layout (hence its
+    # summation order, hence its bits) never depends on the strides the quantizer passes through.
+    w_t_q = fake_quantize(weight.t().contiguous(), "mxfp8", torch.float32)
     return dy_q @ w_t_q.t()
 
 
