@@ -123,6 +123,7 @@ class TrainingConfig:
     eval_interval: Optional[int] = None
     eval_iters: int = 4
     max_skipped_iterations: int = 5  # consecutive non-finite steps before the run stops
+    distributed_timeout_minutes: int = 10  # process groups' collective timeout
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     moe_precision: MoEPrecisionConfig = field(default_factory=MoEPrecisionConfig)

@@ -160,9 +160,10 @@ class ParallelLayout:
         return "\n".join(lines)
 
     # ---- megatron-core ------------------------------------------------------
-    def initialize(self) -> ProcessGroupCollection:
+    def initialize(self, timeout_minutes: int = 30) -> ProcessGroupCollection:
         """Initialize megatron-core's parallel state for this layout (replacing any
-        previous one) and return its process groups.
+        previous one) and return its process groups, whose collectives time out
+        after `timeout_minutes`.
 
         Needs torch.distributed initialized with `world_size` ranks.
         """
@@ -180,6 +181,7 @@ class ParallelLayout:
             expert_model_parallel_size=self.ep,
             expert_tensor_parallel_size=self.etp,
             order=self.order,
+            distributed_timeout_minutes=timeout_minutes,
         )
         pgs = ProcessGroupCollection.use_mpu_process_groups()
         rank = dist.get_rank()
@@ -192,13 +194,13 @@ class ParallelLayout:
         return pgs
 
 
-def initialize_parallel(layout: ParallelLayout, seed: int) -> ProcessGroupCollection:
+def initialize_parallel(layout: ParallelLayout, seed: int, timeout_minutes: int = 30) -> ProcessGroupCollection:
     """megatron-core parallel state for `layout` (replacing any previous one) and
     seeded RNGs: torch's, and megatron's model-parallel RNG tracker."""
     import torch
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    pgs = layout.initialize()
+    pgs = layout.initialize(timeout_minutes)
     model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
     return pgs

@@ -92,7 +92,7 @@ class Trainer:
         self.model_cfg, self.layout, self.data, self.cfg = model_cfg, layout, data, cfg
         self.log = log or TrainingLogger(dist.get_rank() if dist.is_initialized() else 0)
         self.batch_transform = batch_transform
-        initialize_parallel(layout, cfg.seed)
+        initialize_parallel(layout, cfg.seed, cfg.distributed_timeout_minutes)
         self.cp_size = parallel_state.get_context_parallel_world_size()
         self.cp_rank = parallel_state.get_context_parallel_rank()
         self.dp_rank = parallel_state.get_data_parallel_rank()
