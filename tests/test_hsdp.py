@@ -1,7 +1,6 @@
 """Dual-mesh HSDP (FSDP2) trains exactly like megatron-core DDP, and its
 checkpoints load under DDP (and vice versa)."""
 import pytest
-import torch
 
 from megatron_composer.data import RandomTokenDataset
 from tests.distributed import run_distributed

@@ -1,6 +1,5 @@
 """Model: parameter counts, build + forward/backward, EP=2 == EP=1, core attention."""
 import math
-import os
 
 import pytest
 import torch

@@ -1,6 +1,4 @@
 """Training: pure pieces, CPT end to end, resume exactness, reshard, atomic checkpoints, bad input."""
-import json
-import math
 import os
 import subprocess
 import sys

@@ -26,8 +26,8 @@ so that export writes back the fields we do not model (token ids, ...).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, fields
-from typing import Any, Optional
+from dataclasses import asdict
+from typing import Optional
 
 from ..config.model import ModelConfig, YarnConfig, model_config_from_dict  # noqa: F401 (re-exported)
 

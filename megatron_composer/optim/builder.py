@@ -24,7 +24,6 @@ is not computed: None).
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.distributed as dist
