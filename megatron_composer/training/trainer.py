@@ -25,14 +25,14 @@ One optimizer step (`step()`):
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from ..config.model import ModelConfig, count_parameters, training_flops_per_token
+from ..config.model import ModelConfig, training_flops_per_token
 from ..config.training import TrainingConfig
 from ..data import epoch_index
 from ..models import build_model, composer_forward
@@ -80,7 +80,6 @@ class TrainState:
     consumed_samples: int = 0
     skipped_iterations: int = 0
     consecutive_skipped: int = 0
-    history: list = field(default_factory=list)  # lm loss per iteration of this process
 
 
 class Trainer:
@@ -100,9 +99,25 @@ class Trainer:
         self.global_batch_size = cfg.global_batch_size or cfg.micro_batch_size * self.dp_size
         micro_batch_indices(0, self.global_batch_size, cfg.micro_batch_size, 0, self.dp_size)  # validate
 
-        # --bf16 under HSDP: fp32 shards, FSDP2 casts to bf16 for compute.
+        if cfg.mtp_freeze_trunk and not model_cfg.mtp_num_layers:
+            raise ValueError("--mtp-freeze-trunk needs --mtp-num-layers >= 1")
+        gpt = self._build_model()
+        self.device = next(gpt.parameters()).device
+        self.model = parallelize(gpt, layout, sharding=cfg.data_parallel_sharding,
+                                 dense_shard_size=cfg.dense_shard_size, bf16=cfg.bf16)
+        self.optimizer = build_optimizer(self.model, cfg.optimizer)
+        self.loss_plugins = build_loss_plugins(model_cfg, cfg)
+        self.state = TrainState()
+        self.flops_per_token = training_flops_per_token(model_cfg, cfg.seq_length)
+        self.checkpoints = Checkpointer(self)
+
+    def _build_model(self):
+        """The GPTModel in the dtype its data-parallel wrapper expects, trunk frozen if asked."""
+        cfg = self.cfg
+        # --bf16: bf16 parameters under DDP; under HSDP fp32 shards that FSDP2 casts for compute.
         bf16_params = cfg.bf16 and cfg.data_parallel_sharding == "ddp"
-        gpt = build_model(model_cfg, layout, params_dtype=torch.bfloat16 if bf16_params else torch.float32,
+        gpt = build_model(self.model_cfg, self.layout,
+                          params_dtype=torch.bfloat16 if bf16_params else torch.float32,
                           seq_length=cfg.seq_length,
                           moe_expert_precision=cfg.moe_precision.moe_expert_precision,
                           moe_dispatch_precision=cfg.moe_precision.moe_dispatch_precision,
@@ -113,19 +128,9 @@ class Trainer:
             for p in gpt.parameters():
                 p.data = p.data.to(torch.bfloat16)
         if cfg.mtp_freeze_trunk:
-            if not model_cfg.mtp_num_layers:
-                raise ValueError("--mtp-freeze-trunk needs --mtp-num-layers >= 1")
             for name, p in gpt.named_parameters():
                 p.requires_grad_(name.startswith("mtp."))
-        self.device = next(gpt.parameters()).device
-        self.model = parallelize(gpt, layout, sharding=cfg.data_parallel_sharding,
-                                 dense_shard_size=cfg.dense_shard_size, bf16=cfg.bf16)
-        self.optimizer = build_optimizer(self.model, cfg.optimizer)
-        self.loss_plugins = build_loss_plugins(model_cfg, cfg)
-        self.state = TrainState()
-        self.flops_per_token = training_flops_per_token(model_cfg, cfg.seq_length)
-        self.param_count = count_parameters(model_cfg)
-        self.checkpoints = Checkpointer(self)
+        return gpt
 
     # ---- state --------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -210,7 +215,6 @@ class Trainer:
         losses = {p.name: (t / n) for p, t, n in zip(self.loss_plugins, totals.tolist(), denominators)}
         result = StepResult(losses=losses, grad_norm=norm, tokens=self.global_batch_size * self.cfg.seq_length,
                             skipped=not applied, lr=lr, seconds=time.perf_counter() - start)
-        st.history.append(result.lm_loss)
         return result
 
     @torch.no_grad()
