@@ -57,7 +57,7 @@ def _inputs(layout, b=3, s=23, v=50, seed=0):
     return student, main, loss_mask, segment_ids
 
 
-@pytest.fixture(params=[40, 1 << 18], ids=["chunk-one-position", "chunk-default"])
+@pytest.fixture(params=[40, 1 << 17], ids=["chunk-one-position", "chunk-default"])
 def chunk_elements(request, monkeypatch):
     monkeypatch.setattr(losses, "CHUNK_ELEMENTS", request.param)
 
