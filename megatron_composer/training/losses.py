@@ -56,12 +56,13 @@ def cross_entropy_chunk(logits: torch.Tensor, labels: torch.Tensor, weight: torc
     Returns sum_t weight_t * (logsumexp(logits_t) - logits_t[label_t]);
     grad = weight_t * (softmax(logits_t) - onehot(label_t)).
     """
-    log_p = torch.log_softmax(logits.float(), dim=-1)
+    logits = logits.float()
+    log_p = torch.log_softmax(logits, dim=-1)
     weight = weight * (labels != -100)
     index = labels.clamp(min=0).unsqueeze(-1)
     total = -(log_p.gather(-1, index).squeeze(-1) * weight).sum()
     if grad is not None:
-        grad.copy_(torch.softmax(logits.float(), dim=-1))
+        grad.copy_(torch.softmax(logits, dim=-1))
         grad.scatter_add_(-1, index, torch.full(index.shape, -1.0, dtype=grad.dtype, device=grad.device))
         grad.mul_(weight.unsqueeze(-1))
     return total
