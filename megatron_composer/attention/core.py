@@ -25,6 +25,13 @@ from megatron.core.transformer.module import MegatronModule
 def causal_attention(query, key, value, softmax_scale: float):
     """Causal attention where the query block ends at the same token as the keys.
 
+    On CPU, SDPA's fused (flash) kernel needs the value head size to equal the
+    query/key head size; MLA's differ (qk_head_dim + qk_pos_emb_head_dim vs
+    v_head_dim), which would send SDPA to its math path, materializing the
+    [sq, sk] scores and the mask. So on CPU the values are zero-padded to the
+    query head size and the padding is cut from the output: the same result,
+    a fused kernel, O(s) memory. CUDA's kernels take unequal head sizes as they are.
+
     Args:
         query: [b, n, sq, dk] float.
         key: [b, n, sk, dk] float, sk >= sq; query i sits at key position sk - sq + i.
@@ -33,15 +40,18 @@ def causal_attention(query, key, value, softmax_scale: float):
         [b, n, sq, dv].
     """
     sq, sk = query.shape[-2], key.shape[-2]
+    dk, dv = query.shape[-1], value.shape[-1]
+    if query.device.type == "cpu" and dv < dk:
+        value = F.pad(value, (0, dk - dv))
     if sq == sk:
-        return F.scaled_dot_product_attention(
-            query, key, value, is_causal=True, scale=softmax_scale
-        )
-    offset = sk - sq
-    q_pos = torch.arange(sq, device=query.device) + offset
-    k_pos = torch.arange(sk, device=query.device)
-    mask = k_pos[None, :] <= q_pos[:, None]
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=softmax_scale)
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=softmax_scale)
+    else:
+        offset = sk - sq
+        q_pos = torch.arange(sq, device=query.device) + offset
+        k_pos = torch.arange(sk, device=query.device)
+        mask = k_pos[None, :] <= q_pos[:, None]
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=softmax_scale)
+    return out[..., :dv]
 
 
 def packed_causal_attention(query, key, value, cu_seqlens, softmax_scale: float):

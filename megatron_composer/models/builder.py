@@ -11,6 +11,10 @@ own submodules where the recipe needs them; no megatron-core class is forked:
   scores, aux-loss-free expert bias, group-limited top-k and a routed scaling
   factor (all megatron-core router features, switched on by the config);
 * an MTP block built from the last decoder layer's spec, as DeepSeek-V3;
+* routed experts in the model's dtype (`moe_expert_precision` "bf16", the
+  default): `moe.GroupedSequentialMLP`, megatron's SequentialMLP with one
+  grouped GEMM per linear over all local experts (`grouped_experts=False`
+  keeps megatron's per-expert loop);
 * with `moe_expert_precision` nvfp4/mxfp8, `moe.QuantizedSequentialMLP`
   experts (megatron's SequentialMLP, expert GEMMs through `quantized_linear`);
   with `moe_dispatch_precision` mxfp8, `moe.MXFP8DispatchMoELayer` (alltoall
@@ -36,7 +40,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig
 from ..attention.core import MLACoreAttention
 from ..attention.cp import ContextParallelMLASelfAttention, ZigzagCoreAttention
 from ..config.model import ModelConfig
-from ..moe import quantized_dispatch_spec, quantized_experts_spec
+from ..moe import grouped_experts_spec, quantized_dispatch_spec, quantized_experts_spec
 from ..parallel.layout import ParallelLayout
 
 
@@ -139,24 +143,28 @@ def _use_our_attention(layer_spec: ModuleSpec, context_parallel: bool) -> None:
 
 
 def _use_our_moe(layer_spec: ModuleSpec, expert_precision: str, dispatch_precision: str,
-                 pg_collection=None) -> None:
+                 pg_collection=None, grouped_experts: bool = True) -> None:
     mlp = layer_spec.submodules.mlp
     if mlp.module is not MoELayer:  # a dense layer
         return
-    mlp.submodules.experts = quantized_experts_spec(mlp.submodules.experts, expert_precision)
+    experts = quantized_experts_spec(mlp.submodules.experts, expert_precision)
+    if expert_precision == "bf16" and grouped_experts:
+        experts = grouped_experts_spec(experts)
+    mlp.submodules.experts = experts
     layer_spec.submodules.mlp = quantized_dispatch_spec(mlp, dispatch_precision, pg_collection)
 
 
 def composer_block_spec(tconfig: MLATransformerConfig, moe_expert_precision: str = "bf16",
-                        moe_dispatch_precision: str = "bf16", pg_collection=None):
-    """Decoder block spec: megatron-core's local MLA spec with our (CP) attention."""
+                        moe_dispatch_precision: str = "bf16", pg_collection=None,
+                        grouped_experts: bool = True):
+    """Decoder block spec: megatron-core's local MLA spec with our (CP) attention and experts."""
     block = get_gpt_decoder_block_spec(tconfig, use_transformer_engine=False, normalization="RMSNorm")
     # Layer specs are shared objects between layers of the same kind; copy
     # before editing so megatron-core's module-level specs stay untouched.
     block.layer_specs = [_copy_spec(spec) for spec in block.layer_specs]
     for spec in block.layer_specs:
         _use_our_attention(spec, tconfig.context_parallel_size > 1)
-        _use_our_moe(spec, moe_expert_precision, moe_dispatch_precision, pg_collection)
+        _use_our_moe(spec, moe_expert_precision, moe_dispatch_precision, pg_collection, grouped_experts)
     return block
 
 
@@ -178,19 +186,24 @@ def build_model(
     pg_collection=None,
     moe_expert_precision: str = "bf16",
     moe_dispatch_precision: str = "bf16",
+    grouped_experts: bool = True,
     **config_overrides,
 ) -> GPTModel:
     """Build the Composer GPTModel on the current device.
 
-    moe_expert_precision: "bf16" (megatron's SequentialMLP), "mxfp8" or
-    "nvfp4" (NVFP4 forward, MXFP8 backward); moe_dispatch_precision: "bf16"
-    or "mxfp8" (EP dispatch payload). See `megatron_composer.moe`.
+    moe_expert_precision: "bf16" (unquantized: the experts run in the model's
+    dtype, fp32 when `params_dtype` is fp32), "mxfp8" or "nvfp4" (NVFP4
+    forward, MXFP8 backward); moe_dispatch_precision: "bf16" or "mxfp8" (EP
+    dispatch payload). See `megatron_composer.moe`. grouped_experts: the
+    unquantized experts as `GroupedSequentialMLP` (one grouped GEMM per
+    linear); False gives megatron's SequentialMLP (same parameters).
 
     Needs megatron-core's parallel state (or `pg_collection`) to be set up,
     which `platform.init_distributed` + `parallel.initialize_parallel(layout)` do.
     """
     tconfig = transformer_config(cfg, layout, params_dtype, **config_overrides)
-    block = composer_block_spec(tconfig, moe_expert_precision, moe_dispatch_precision, pg_collection)
+    block = composer_block_spec(tconfig, moe_expert_precision, moe_dispatch_precision, pg_collection,
+                                grouped_experts)
     mtp = get_gpt_mtp_block_spec(tconfig, block, use_transformer_engine=False) if cfg.mtp_num_layers else None
     extra = {"pg_collection": pg_collection} if pg_collection is not None else {}
     model = GPTModel(

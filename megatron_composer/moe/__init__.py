@@ -1,8 +1,10 @@
-"""MoE pieces we hand megatron-core through the layer spec: quantized experts, MXFP8 dispatch.
+"""MoE pieces we hand megatron-core through the layer spec: grouped and quantized experts, MXFP8 dispatch.
 
-`experts`: SequentialMLP whose expert GEMMs run through `quant.quantized_linear`
-(`--moe-expert-precision`). `dispatcher`: the alltoall dispatcher with an
-MXFP8 dispatch payload (`--moe-dispatch-precision`).
+`grouped`: SequentialMLP running all local experts with one grouped GEMM per
+linear, in the model's dtype (the default experts). `experts`: SequentialMLP
+whose expert GEMMs run through `quant.quantized_linear` (`--moe-expert-precision`).
+`dispatcher`: the alltoall dispatcher with an MXFP8 dispatch payload
+(`--moe-dispatch-precision`).
 """
 from .dispatcher import (
     DISPATCH_PRECISIONS,
@@ -21,10 +23,13 @@ from .experts import (
     check_expert_precision,
     quantized_experts_spec,
 )
+from .grouped import GroupedLinear, GroupedSequentialMLP, grouped_experts_spec, grouped_linear
 
 __all__ = [
     "DISPATCH_PRECISIONS",
     "EXPERT_PRECISIONS",
+    "GroupedLinear",
+    "GroupedSequentialMLP",
     "MXFP8AllToAll",
     "MXFP8AlltoAllTokenDispatcher",
     "MXFP8DispatchMoELayer",
@@ -33,6 +38,8 @@ __all__ = [
     "QuantizedSequentialMLP",
     "check_dispatch_hidden_size",
     "check_expert_precision",
+    "grouped_experts_spec",
+    "grouped_linear",
     "mxfp8_all_to_all",
     "quantized_dispatch_spec",
     "quantized_experts_spec",

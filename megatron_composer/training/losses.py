@@ -3,13 +3,21 @@
 Every loss returns a *sum* over tokens and the number of tokens it covers,
 so the loop can normalize by the token count of the whole global batch
 (exact under any split into micro-batches and data-parallel ranks).
+
+The vocabulary-sized work (cross-entropy, MTP self-distillation) runs through
+`fused_token_loss`: chunks of positions, each chunk's fp32 log-softmax and
+closed-form gradient computed while it is in cache, the gradient written
+into one logits-shaped buffer that backward only scales. Autograd through
+F.cross_entropy / log_softmax would keep full-vocabulary fp32 copies per
+loss and walk them again in backward. Chunks follow the position dim, so
+megatron's [s, b, v] logits storage (which `composer_forward` returns
+transposed) is read block by block and never copied.
 """
 from __future__ import annotations
 
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 
 from ..parallel import shift_left
 
@@ -30,20 +38,104 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor)
     Returns:
         (sum of masked losses: scalar, number of counted tokens: scalar).
     """
-    logits, (labels, loss_mask) = storage_order(logits, labels, loss_mask)
-    per_token = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), reduction="none")
-    mask = loss_mask.reshape(-1).float()
-    return (per_token * mask).sum(), mask.sum()
+    mask = loss_mask.float()
+    return fused_token_loss(logits, labels, mask, cross_entropy_chunk), mask.sum()
 
 
-def storage_order(logits: torch.Tensor, *per_token: torch.Tensor):
-    """`logits` [b, s, v] and its [b, s] companions, viewed in the order the
-    logits are stored in: megatron-core produces [s, b, v], and
-    `composer_forward` returns its transpose, so flattening that view would
-    copy the whole logits tensor. Sums over tokens do not depend on the order."""
-    if logits.dim() == 3 and not logits.is_contiguous() and logits.transpose(0, 1).is_contiguous():
-        return logits.transpose(0, 1), [t.transpose(0, 1) for t in per_token]
-    return logits, list(per_token)
+# Vocabulary elements per chunk of the fused losses: a chunk's fp32
+# temporaries stay in cache, and the per-chunk Python cost stays small.
+CHUNK_ELEMENTS = 1 << 17
+
+
+def cross_entropy_chunk(logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor,
+                        grad: Optional[torch.Tensor]) -> torch.Tensor:
+    """Weighted cross-entropy of one chunk; writes its closed-form gradient into `grad`.
+
+    logits [b, c, v] float; labels [b, c] int64 (-100 is ignored, as in
+    F.cross_entropy); weight [b, c] float; grad [b, c, v] or None.
+    Returns sum_t weight_t * (logsumexp(logits_t) - logits_t[label_t]);
+    grad = weight_t * (softmax(logits_t) - onehot(label_t)).
+    """
+    logits = logits.float()
+    log_p = torch.log_softmax(logits, dim=-1)
+    weight = weight * (labels != -100)
+    index = labels.clamp(min=0).unsqueeze(-1)
+    total = -(log_p.gather(-1, index).squeeze(-1) * weight).sum()
+    if grad is not None:
+        grad.copy_(torch.softmax(logits, dim=-1))
+        grad.scatter_add_(-1, index, torch.full(index.shape, -1.0, dtype=grad.dtype, device=grad.device))
+        grad.mul_(weight.unsqueeze(-1))
+    return total
+
+
+def distillation_kl_chunk(student: torch.Tensor, teacher: torch.Tensor, weight: torch.Tensor,
+                          grad: Optional[torch.Tensor]) -> torch.Tensor:
+    """Weighted KL(teacher || student) of one chunk; writes the student gradient into `grad`.
+
+    student, teacher [b, c, v] float (the teacher carries no gradient);
+    weight [b, c] float; grad [b, c, v] or None. With p = softmax(teacher),
+    q = softmax(student): returns sum_t weight_t * sum_v p_t (log p_t - log q_t);
+    grad = weight_t * (q_t - p_t).
+    """
+    # torch's softmax kernel is faster than exp() of the log-softmax and as accurate
+    student, teacher = student.float(), teacher.float()
+    log_q = torch.log_softmax(student, dim=-1)
+    log_p = torch.log_softmax(teacher, dim=-1)
+    p = torch.softmax(teacher, dim=-1)
+    if grad is not None:
+        grad.copy_(torch.softmax(student, dim=-1)).sub_(p).mul_(weight.unsqueeze(-1))
+    return (log_p.sub_(log_q).mul_(p).sum(-1) * weight).sum()
+
+
+class FusedTokenLoss(torch.autograd.Function):
+    """sum over positions of a per-position loss over the vocabulary, chunk by chunk.
+
+    Every chunk's gradient is computed in the forward pass (closed form) and
+    written into one buffer shaped like `logits`; backward scales it by the
+    incoming scalar. So besides the inputs only that one full-vocabulary
+    tensor is ever allocated, and nothing is saved for an autograd graph.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, weight, chunk_loss, offset: int, need_grad: bool):
+        s = logits.shape[1]
+        rows = s - offset  # positions that have a target row
+        grad = torch.empty_like(logits) if need_grad else None
+        if need_grad and rows < s:
+            grad[:, max(rows, 0):].zero_()
+        step = max(1, CHUNK_ELEMENTS // max(1, logits.shape[0] * logits.shape[-1]))
+        total = logits.new_zeros((), dtype=torch.float32)
+        for p0 in range(0, max(rows, 0), step):
+            p1 = min(p0 + step, rows)
+            total += chunk_loss(logits[:, p0:p1], target[:, p0 + offset:p1 + offset], weight[:, p0:p1],
+                                grad[:, p0:p1] if need_grad else None)
+        ctx.grad = grad
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        if ctx.grad is None:
+            raise RuntimeError("the fused token loss was already differentiated once; it keeps no graph "
+                               "to run backward again (retain_graph is not supported)")
+        grad, ctx.grad = ctx.grad, None
+        return grad.mul_(grad_total), None, None, None, None, None
+
+
+def fused_token_loss(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor, chunk_loss,
+                     offset: int = 0) -> torch.Tensor:
+    """sum_t chunk_loss(logits[:, t], target[:, t + offset], weight[:, t]) over positions t < s - offset.
+
+    Args:
+        logits: [b, s, v] float, any strides (chunks follow the position dim,
+            so megatron's [s, b, v] storage is read block by block).
+        target: [b, s, ...] labels or teacher logits, read at position t + offset.
+        weight: [b, s] float; positions t >= s - offset have no target and add 0.
+        chunk_loss: `cross_entropy_chunk` or `distillation_kl_chunk`.
+    Returns:
+        scalar fp32; its gradient flows to `logits` only.
+    """
+    need_grad = logits.requires_grad and torch.is_grad_enabled()
+    return FusedTokenLoss.apply(logits, target, weight, chunk_loss, offset, need_grad)
 
 
 def mtp_valid_mask(
@@ -79,6 +171,13 @@ def mtp_self_distillation_loss(
     distribution for the same target token (the main head at t + depth), with
     the teacher detached. Per position: KL(teacher || student).
 
+    Fused and chunked (`fused_token_loss`): the teacher's log-softmax is taken
+    without a graph and the student's gradient is (softmax(student) - p_teacher)
+    * valid. With the CP=1 shift the teacher rows are read in place, main
+    position t + depth for student position t; any other shift (the zigzag
+    `cp_shift_left` under context parallelism, which brings the boundary
+    tokens over from the neighbouring rank) builds the shifted teacher first.
+
     Args:
         mtp_logits: [b, s, v] student logits of MTP depth `depth`.
         main_logits: [b, s, v] main-head logits (teacher; gradient stopped here).
@@ -90,11 +189,10 @@ def mtp_self_distillation_loss(
         (sum of per-position KL, number of positions).
     """
     valid = mtp_valid_mask(loss_mask, depth, segment_ids, shift)
-    teacher = shift(main_logits.detach().float(), depth, 0.0)
-    log_t = F.log_softmax(teacher, dim=-1)
-    log_s = F.log_softmax(mtp_logits.float(), dim=-1)
-    kl = (log_t.exp() * (log_t - log_s)).sum(-1)
-    return (kl * valid).sum(), valid.sum()
+    teacher, offset = main_logits.detach(), depth
+    if shift is not shift_left:
+        teacher, offset = shift(teacher, depth, 0.0), 0
+    return fused_token_loss(mtp_logits, teacher, valid, distillation_kl_chunk, offset), valid.sum()
 
 
 def mtp_cross_entropy_loss(
@@ -108,7 +206,4 @@ def mtp_cross_entropy_loss(
     """DeepSeek-V3's MTP loss: cross-entropy on the token `depth` further ahead."""
     valid = mtp_valid_mask(loss_mask, depth, segment_ids, shift)
     shifted = shift(labels, depth, 0)
-    mtp_logits, (shifted, valid) = storage_order(mtp_logits, shifted, valid)
-    per_token = F.cross_entropy(mtp_logits.reshape(-1, mtp_logits.shape[-1]).float(), shifted.reshape(-1),
-                                reduction="none")
-    return (per_token * valid.reshape(-1)).sum(), valid.sum()
+    return fused_token_loss(mtp_logits, shifted, valid, cross_entropy_chunk), valid.sum()
