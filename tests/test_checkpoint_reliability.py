@@ -405,16 +405,11 @@ def test_failures_on_one_rank_reach_every_rank(tmp_path):
 
 
 def _sized_gpt(rank, world, root, sharding):
-    from megatron_composer.config import get_preset
-    from megatron_composer.data.datasets import RandomTokenDataset
-    from megatron_composer.models import ParallelSizes
-    from megatron_composer.platform import init_distributed
-    from megatron_composer.training.loop import Trainer
+    from megatron_composer.data import RandomTokenDataset
+    from tests.trainers import make_trainer
 
-    init_distributed()
-    tr = Trainer(get_preset("tiny"), ParallelSizes(expert_model_parallel_size=2), RandomTokenDataset(8, 64, 4096),
-                 seq_length=64, micro_batch_size=1, global_batch_size=2, data_parallel_sharding=sharding,
-                 dense_shard_size=2 if sharding == "hsdp" else None)
+    tr = make_trainer(RandomTokenDataset(8, 64, 4096), ep=2, micro_batch_size=1, global_batch_size=2,
+                      data_parallel_sharding=sharding, dense_shard_size=2 if sharding == "hsdp" else None)
     expected = ck.expected_checkpoint_bytes(tr.model)
     ck.save_checkpoint(root, 1, tr.model, None, {})
     return expected, len(ck.model_state_dict(tr.model))

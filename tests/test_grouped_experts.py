@@ -21,14 +21,14 @@ def _assert_close(actual, expected, name=""):
 
 
 def _setup(ep=1):
-    from megatron_composer.models import ParallelSizes
+    from megatron_composer.parallel import ParallelLayout
+    from megatron_composer.parallel.layout import initialize_parallel
     from megatron_composer.platform import init_distributed
-    from megatron_composer.training.loop import initialize_parallel
 
-    init_distributed()
-    parallel = ParallelSizes(expert_model_parallel_size=ep)
-    initialize_parallel(parallel, seed=1234)
-    return parallel
+    env = init_distributed()
+    layout = ParallelLayout(world_size=env.world_size, ep=ep)
+    initialize_parallel(layout, seed=1234)
+    return layout
 
 
 # ------------------------------------------------------------------ grouped_linear

@@ -32,7 +32,7 @@ def _experts(precision, params_dtype=torch.float32):
     _init_world1()
     tconfig = transformer_config(TINY, params_dtype=params_dtype)
     pg = get_default_pg_collection()
-    spec = composer_block_spec(tconfig).layer_specs[-1].submodules.mlp.submodules.experts
+    spec = composer_block_spec(tconfig, grouped_experts=False).layer_specs[-1].submodules.mlp.submodules.experts
     megatron = build_module(spec, TINY.num_experts, tconfig, pg_collection=pg)
     ours = build_module(ModuleSpec(module=QuantizedSequentialMLP, params={"precision": precision},
                                    submodules=spec.submodules),

@@ -1,4 +1,4 @@
-"""Loss plug-ins for the shared training loop.
+"""Loss functions of the training step (wired in by `training.loss_plugins`).
 
 Every loss returns a *sum* over tokens and the number of tokens it covers,
 so the loop can normalize by the token count of the whole global batch
