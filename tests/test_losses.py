@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_composer.parallel.zigzag import shift_left
+from megatron_composer.parallel import shift_left
 from megatron_composer.training import losses
 from megatron_composer.training.losses import lm_loss, mtp_cross_entropy_loss, mtp_self_distillation_loss
 
