@@ -176,7 +176,7 @@ class ComposerOptimizer:
         local = [_local(p) for p in self.opt_params]
         if not local:
             return []
-        norms = torch.stack(torch._foreach_norm(local, 2, dtype=torch.float64))
+        norms = torch.stack(torch._foreach_norm(local, 2))
         return [self.names[i] for i in torch.nonzero(~torch.isfinite(norms)).flatten().tolist()]
 
     def _check_finite(self) -> None:
