@@ -140,6 +140,24 @@ def expand_inputs(inputs: Sequence[str | Path], extensions: Sequence[str] = (".p
     return files
 
 
+def jsonl_records(path: str | Path, fix: str = "write one JSON object per line") -> Iterator[tuple[int, object]]:
+    """(1-based line number, parsed value) for every non-blank line of a JSONL file.
+
+    A line that is not JSON raises ``ValueError`` ``path:line: invalid JSON
+    (reason at column c); <fix>``."""
+    path = Path(path)
+    with path.open(encoding="utf-8") as stream:
+        for number, line in enumerate(stream, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield number, json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(
+                    f"{path}:{number}: invalid JSON ({error.msg} at column {error.colno}); {fix}"
+                ) from None
+
+
 def iter_texts(files: Iterable[str | Path], json_key: str = "text") -> Iterator[str]:
     """One text per source file, or one per line of a JSONL file (``line[json_key]``).
 
@@ -150,23 +168,14 @@ def iter_texts(files: Iterable[str | Path], json_key: str = "text") -> Iterator[
     for item in files:
         path = Path(item)
         if is_jsonl(path):
-            with path.open(encoding="utf-8") as stream:
-                for number, line in enumerate(stream, start=1):
-                    if not line.strip():
-                        continue
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError as error:
-                        raise ValueError(
-                            f"{path}:{number} is not valid JSON ({error}); fix or drop that line"
-                        ) from None
-                    if not isinstance(record, dict) or json_key not in record:
-                        raise KeyError(
-                            f"{path}:{number} has no key {json_key!r} "
-                            f"(keys: {sorted(record) if isinstance(record, dict) else 'not an object'}); "
-                            "pass --json-key with the field that holds the text"
-                        )
-                    yield record[json_key]
+            for number, record in jsonl_records(path, "fix or drop that line"):
+                if not isinstance(record, dict) or json_key not in record:
+                    raise KeyError(
+                        f"{path}:{number} has no key {json_key!r} "
+                        f"(keys: {sorted(record) if isinstance(record, dict) else 'not an object'}); "
+                        "pass --json-key with the field that holds the text"
+                    )
+                yield record[json_key]
         else:
             try:
                 yield path.read_bytes().decode("utf-8")

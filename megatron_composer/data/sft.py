@@ -10,13 +10,13 @@ load, not as a ``KeyError`` deep in the loop. Samples use the format of
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import torch
 
+from megatron_composer.data.corpus import jsonl_records
 from megatron_composer.data.packing import sample_dict
 from megatron_composer.data.tokenizer import Tokenizer
 
@@ -98,21 +98,11 @@ def read_conversations(path: str | Path) -> list[tuple[int, list[dict]]]:
     """
     path = Path(path)
     conversations = []
-    with path.open(encoding="utf-8") as stream:
-        for number, line in enumerate(stream, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(
-                    f"{path}:{number}: invalid JSON ({error.msg} at column {error.colno}); "
-                    f"write one object per line, {_EXAMPLE_LINE}"
-                ) from None
-            problem = conversation_error(record)
-            if problem is not None:
-                raise ValueError(f"{path}:{number}: {problem}")
-            conversations.append((number, record["messages"]))
+    for number, record in jsonl_records(path, f"write one object per line, {_EXAMPLE_LINE}"):
+        problem = conversation_error(record)
+        if problem is not None:
+            raise ValueError(f"{path}:{number}: {problem}")
+        conversations.append((number, record["messages"]))
     if not conversations:
         raise ValueError(f"{path}: no conversations (the file is empty); write one {_EXAMPLE_LINE} per line")
     return conversations

@@ -15,7 +15,8 @@ same for both kinds, so the training step never branches on the sharding:
 Either way, after `finalize_grads()` every trainable parameter's reduced
 fp32 gradient is `grads()[i]` and `grad_norm()` is the global L2 norm, with
 one implementation: squares of the local gradients are summed per reduction
-bucket (`torch._foreach_norm` per tensor, summed in fp64) and all-reduced over the ranks that
+bucket (`torch._foreach_norm` accumulating in fp64: an fp32 norm of a large
+tensor is off by ~1e-5) and all-reduced over the ranks that
 hold disjoint pieces of them (TP shards, EP experts, FSDP shards); replicas
 count once.
 
@@ -101,7 +102,7 @@ class ParallelModel:
             if not local:
                 squares = torch.zeros((), dtype=torch.float64, device=device)
             else:
-                squares = torch.stack(torch._foreach_norm(local, 2)).double().square().sum()
+                squares = torch.stack(torch._foreach_norm(local, 2, dtype=torch.float64)).square().sum()
             for group in groups:
                 dist.all_reduce(squares, group=group)
             total += squares
