@@ -284,3 +284,21 @@ def test_nan_activation_with_nvfp4_experts_skips_the_step():
     poison["on"] = False
     assert not tr.step().skipped
     handle.remove()
+
+
+def test_bf16_resume_restores_the_fp32_main_weights(tmp_path):
+    """--bf16 checkpoints carry the fp32 main weights: 2 steps, save, a new Trainer
+    resumes and its 2 steps equal the uninterrupted run's steps 3 and 4 exactly."""
+    ckpt = {"save": str(tmp_path), "load": str(tmp_path)}
+    full = make_trainer(UnevenDataset(), bf16=True)
+    reference = [full.step().lm_loss for _ in range(4)]
+    first = make_trainer(UnevenDataset(), bf16=True, checkpoint=ckpt)
+    losses = [first.step().lm_loss for _ in range(2)]
+    first.checkpoints.save()
+    resumed = make_trainer(UnevenDataset(), bf16=True, checkpoint=ckpt)
+    resumed.resume()
+    assert resumed.state.iteration == 2
+    for main, ref in zip(resumed.optimizer.opt_params, first.optimizer.opt_params):
+        assert main.dtype == torch.float32 and torch.equal(main, ref)
+    losses += [resumed.step().lm_loss for _ in range(2)]
+    assert losses == reference

@@ -28,6 +28,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from ..checkpoint.state import load_name_keyed_optimizer_state, name_keyed_optimizer_state
 from ..config.training import OptimizerConfig
 from .param_groups import HeadGeometry, adamw_param_groups, build_muon_adamw
 from .schedule import learning_rate
@@ -76,34 +77,31 @@ class ComposerOptimizer:
             p.grad = None
 
     # ---- checkpoints (keyed by global parameter name) -----------------------
+    def _names(self, names: dict) -> dict:
+        """Global names of the optimizers' own parameters (main copies included)."""
+        return {o: names[self._to_model[id(o)]] for o in self.opt_params}
+
     def sharded_state_dict(self, names: dict) -> dict:
         """{"{name}/{key}": tensor} for every state entry; `names` maps model
         parameters to their global names. Under mixed precision the fp32 main
         weight is the entry "main_param"."""
+        own = self._names(names)
         out = {}
         for o in self.optimizers:
-            for p, s in o.state.items():
-                name = names[self._to_model[id(p)]]
-                for key, value in s.items():
-                    out[f"{name}/{key}"] = value if torch.is_tensor(value) else torch.tensor(value)
-                if self.mixed_precision:
-                    out[f"{name}/main_param"] = p.detach()
+            out.update(name_keyed_optimizer_state(o, own))
+        if self.mixed_precision and out:
+            out.update({f"{own[p]}/main_param": p.detach() for p in self.opt_params})
         return out
 
     @torch.no_grad()
     def load_sharded_state_dict(self, state: dict, names: dict) -> None:
         """Copy `state` (as `sharded_state_dict` makes it) into the existing state."""
+        own = self._names(names)
         for o in self.optimizers:
-            for p, s in o.state.items():
-                name = names[self._to_model[id(p)]]
-                for key in list(s):
-                    value = state[f"{name}/{key}"]
-                    if torch.is_tensor(s[key]):
-                        s[key].copy_(value)
-                    else:
-                        s[key] = type(s[key])(value.item())
-                if self.mixed_precision:
-                    p.copy_(state[f"{name}/main_param"])
+            load_name_keyed_optimizer_state(o, state, own)
+        if self.mixed_precision:
+            for p in self.opt_params:
+                p.copy_(state[f"{own[p]}/main_param"])
 
     # ---- mixed precision ----------------------------------------------------
     @torch.no_grad()
