@@ -51,8 +51,8 @@ def cross_entropy_chunk(logits: torch.Tensor, labels: torch.Tensor, weight: torc
                         grad: Optional[torch.Tensor]) -> torch.Tensor:
     """Weighted cross-entropy of one chunk; writes its closed-form gradient into `grad`.
 
-    logits [b, c, v] float; labels [b, c] int64 (-100 is ignored, as in
-    F.cross_entropy); weight [b, c] float; grad [b, c, v] or None.
+    logits [c, b, v] float (any leading dims); labels [c, b] int64 (-100 is ignored, as in
+    F.cross_entropy); weight [c, b] float; grad [c, b, v] or None.
     Returns sum_t weight_t * (logsumexp(logits_t) - logits_t[label_t]);
     grad = weight_t * (softmax(logits_t) - onehot(label_t)).
     """
@@ -72,8 +72,8 @@ def distillation_kl_chunk(student: torch.Tensor, teacher: torch.Tensor, weight: 
                           grad: Optional[torch.Tensor]) -> torch.Tensor:
     """Weighted KL(teacher || student) of one chunk; writes the student gradient into `grad`.
 
-    student, teacher [b, c, v] float (the teacher carries no gradient);
-    weight [b, c] float; grad [b, c, v] or None. With p = softmax(teacher),
+    student, teacher [c, b, v] float, any leading dims (the teacher carries no gradient);
+    weight [c, b] float; grad [c, b, v] or None. With p = softmax(teacher),
     q = softmax(student): returns sum_t weight_t * sum_v p_t (log p_t - log q_t);
     grad = weight_t * (q_t - p_t).
     """
@@ -105,10 +105,16 @@ class FusedTokenLoss(torch.autograd.Function):
             grad[:, max(rows, 0):].zero_()
         step = max(1, CHUNK_ELEMENTS // max(1, logits.shape[0] * logits.shape[-1]))
         total = logits.new_zeros((), dtype=torch.float32)
+        # Chunks are taken position-major ([s, b, ...] views): megatron's [s, b, v]
+        # storage, which `composer_forward` returns as a [b, s, v] view, then gives
+        # contiguous chunks, where [:, p0:p1] would be strided and every softmax
+        # kernel would copy it first. The losses are per position: same sums.
+        logits_p, target_p, weight_p = logits.transpose(0, 1), target.transpose(0, 1), weight.transpose(0, 1)
+        grad_p = grad.transpose(0, 1) if need_grad else None
         for p0 in range(0, max(rows, 0), step):
             p1 = min(p0 + step, rows)
-            total += chunk_loss(logits[:, p0:p1], target[:, p0 + offset:p1 + offset], weight[:, p0:p1],
-                                grad[:, p0:p1] if need_grad else None)
+            total += chunk_loss(logits_p[p0:p1], target_p[p0 + offset:p1 + offset], weight_p[p0:p1],
+                                grad_p[p0:p1] if need_grad else None)
         ctx.grad = grad
         return total
 
