@@ -1,14 +1,23 @@
+import importlib.util
+
 import pytest
 import torch
 
 
+def _has_transformer_engine() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs CUDA; run on a GPU machine with `pytest -m gpu`")
+    cuda = torch.cuda.is_available()
+    te = _has_transformer_engine()
+    no_cuda = pytest.mark.skip(reason="needs CUDA; run on a GPU machine with `make test-gpu`")
+    no_te = pytest.mark.skip(reason="needs Transformer Engine: pip install -e '.[gpu]'")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and not cuda:
+            item.add_marker(no_cuda)
+        elif "te" in item.keywords and not te:
+            item.add_marker(no_te)
 
 
 @pytest.fixture(scope="session")
