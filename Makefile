@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed
 
-.PHONY: setup demo test test-gpu bench clean
+.PHONY: setup demo test test-gpu doctor bench bench-gpu clean
 
 setup: $(STAMP)
 
@@ -26,10 +26,16 @@ test: $(STAMP)
 	$(PY) -m pytest -q -m "not gpu"
 
 test-gpu: $(STAMP)
-	$(PY) -m pytest -q -m gpu
+	$(PY) -m pytest -q -rs -m gpu
+
+doctor: $(STAMP)
+	$(PY) -m megatron_composer.platform.doctor
 
 bench: $(STAMP)
 	$(PY) benchmarks/cpt_throughput.py
+
+bench-gpu: $(STAMP)
+	$(PY) benchmarks/gpu_step.py
 
 clean:
 	rm -rf runs data checkpoints

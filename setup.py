@@ -42,8 +42,9 @@ setup(
     ],
     extras_require={
         "test": ["pytest", "transformers"],
-        # Never the PyPI package named `apex`: it is an unrelated project.
-        "gpu": ["transformer-engine[pytorch]"],
+        # What megatron-core 0.16.1 supports. Never the PyPI package named
+        # `apex`: it is an unrelated project.
+        "gpu": ["transformer-engine[pytorch]>=2.9,<2.12"],
         "rl": ["ray"],
     },
     entry_points={"console_scripts": ["megatron-composer-cpt=pretrain_cpt:main"]},
