@@ -62,7 +62,7 @@ def _step(model, batch, cp):
         mtp_sum, _ = lm_loss(mtp[0], local.labels, local.loss_mask)
         loss = lm_sum + 0.1 * mtp_sum
     nbytes = saved_bytes(saved, exclude=list(model.parameters()))
-    del saved
+    saved.clear()  # drop our references before backward
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     return logits.detach(), grads, nbytes

@@ -42,7 +42,7 @@ from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from ..parallel.collectives import all_gather_single, reduce_scatter_single
 from ..parallel import Segment, ZigzagLayout
 from .core import MLACoreAttention
-from .kernels import causal_attention
+from .kernels import causal_attention, pad_value
 
 
 # ------------------------------------------------------------ collectives
@@ -113,16 +113,18 @@ def attend_segments(query, key, value, segments: list[Segment], softmax_scale: f
     Returns:
         [s_local, b, n * dv] (packed: [t_local, n * dv]).
     """
+    dv = value.shape[-1]
+    value = pad_value(value, query.shape[-1])  # once, not per overlapping key range
     outs = []
     for seg in segments:
         q, k, v = query[seg.q_start:seg.q_end], key[seg.k_start:seg.k_end], value[seg.k_start:seg.k_end]
         if packed:  # [len, n, d] -> [1, n, len, d]
             q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-            out = causal_attention(q, k, v, softmax_scale).squeeze(0).transpose(0, 1)
+            out = causal_attention(q, k, v, softmax_scale)[..., :dv].squeeze(0).transpose(0, 1)
             outs.append(out.reshape(out.shape[0], -1))
         else:  # [len, b, n, d] -> [b, n, len, d]
             q, k, v = (x.permute(1, 2, 0, 3) for x in (q, k, v))
-            out = causal_attention(q, k, v, softmax_scale)
+            out = causal_attention(q, k, v, softmax_scale)[..., :dv]
             outs.append(out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1))
     return torch.cat(outs, dim=0)
 

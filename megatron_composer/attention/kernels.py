@@ -154,6 +154,8 @@ def _varlen_packed(query, key, value, cu_seqlens, max_seqlen, softmax_scale):
 
 
 def _per_document(query, key, value, cu_seqlens, softmax_scale):
+    dv = value.shape[-1]
+    value = pad_value(value, query.shape[-1])  # once for all documents
     bounds = cu_seqlens.tolist()
     outs = []
     for start, end in zip(bounds[:-1], bounds[1:]):
@@ -161,9 +163,9 @@ def _per_document(query, key, value, cu_seqlens, softmax_scale):
             continue
         # [len, n, d] -> [1, n, len, d]
         q, k, v = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
-        outs.append(causal_attention(q, k, v, softmax_scale).squeeze(0).transpose(0, 1))
+        outs.append(causal_attention(q, k, v, softmax_scale)[..., :dv].squeeze(0).transpose(0, 1))
     if not outs:
-        return query.new_zeros((0, query.shape[1], value.shape[-1]))
+        return query.new_zeros((0, query.shape[1], dv))
     return torch.cat(outs, dim=0)
 
 
