@@ -80,8 +80,11 @@ class MLACoreAttention(MegatronModule):
             cu = packed_seq_params.cu_seqlens_q_padded
             if cu is None:
                 cu = packed_seq_params.cu_seqlens_q
+            # max_seqlen_q describes cu_seqlens_q; padded offsets that differ need their own.
+            same = cu is packed_seq_params.cu_seqlens_q
+            max_seqlen = packed_seq_params.max_seqlen_q if same else None
             out = packed_causal_attention(query, key, value, cu, self.softmax_scale,
-                                          max_seqlen=packed_seq_params.max_seqlen_q)
+                                          max_seqlen=max_seqlen)
             return out.reshape(out.shape[0], -1)
         # [s, b, n, d] -> [b, n, s, d]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))

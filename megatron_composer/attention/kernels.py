@@ -26,7 +26,10 @@ Why each:
   the flash kernel with its native bottom-right causal mask, or the
   memory-efficient kernel with its bottom-right mask type (fp32). No mask is
   built in either. SDPA on CUDA runs with the math backend disabled, so a
-  shape no fused kernel takes raises instead of silently materializing scores.
+  shape no fused kernel takes raises instead of materializing the scores.
+  (`causal_lower_right` itself would fall back to a materialized mask only if
+  neither fused kernel took the inputs; tests/test_gpu_attention.py bounds the
+  peak memory at 32K tokens to catch that.)
 - CPU, sq < sk: CPU SDPA's causal mask is top-left aligned, and
   `causal_lower_right` would materialize the mask on CPU. Prepending
   sk - sq zero queries makes the block square, so plain is_causal is exactly
