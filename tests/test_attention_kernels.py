@@ -161,3 +161,9 @@ def test_varlen_path_pads_values_and_applies_the_scale(monkeypatch, new_signatur
     _check(lambda q, k, v: kernels._varlen_packed(q, k, v, cu, None, SCALE),
            _packed_reference(lengths, SCALE), [q, k, v])
     assert calls == ([SCALE] if new_signature else [None])
+
+
+def test_values_wider_than_keys_are_rejected():
+    q, k, v = torch.zeros(1, 1, 2, 8), torch.zeros(1, 1, 2, 8), torch.zeros(1, 1, 2, 12)
+    with pytest.raises(ValueError, match="value head size 12 exceeds the query/key head size 8"):
+        causal_attention(q, k, v, None)

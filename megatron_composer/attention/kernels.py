@@ -50,6 +50,7 @@ this module is what runs without it.
 from __future__ import annotations
 
 import inspect
+from functools import lru_cache
 from typing import Optional
 
 import torch
@@ -59,7 +60,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 try:
     from torch.nn.attention.varlen import varlen_attn
-except ImportError:  # torch < 2.10
+except ImportError:  # torch releases before torch.nn.attention.varlen
     varlen_attn = None
 
 KERNELS = ("sdpa_causal", "sdpa_lower_right", "sdpa_zero_query_prefix", "varlen_flash",
@@ -132,9 +133,14 @@ def causal_attention(query, key, value, softmax_scale: Optional[float]):
     return out[..., :dv]
 
 
+@lru_cache(maxsize=4)
+def _parameters(fn) -> frozenset:
+    return frozenset(inspect.signature(fn).parameters)
+
+
 def _varlen_kwargs(softmax_scale, dk):
     """`varlen_attn`'s causal and scale arguments; its signature changed across torch releases."""
-    params = inspect.signature(varlen_attn).parameters
+    params = _parameters(varlen_attn)
     kwargs = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
     if "scale" in params:
         kwargs["scale"] = softmax_scale
