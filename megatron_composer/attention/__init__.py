@@ -1,6 +1,7 @@
 """MLA attention modules for megatron-core layer specs: CPU-capable core
-attention and the latent-all-gather context-parallel self-attention."""
-from .core import MLACoreAttention, causal_attention, packed_causal_attention
+attention on fused kernels chosen per device, and the latent-all-gather
+context-parallel self-attention."""
+from .core import MLACoreAttention
 from .cp import (
     ContextParallelMLASelfAttention,
     ZigzagCoreAttention,
@@ -8,6 +9,7 @@ from .cp import (
     latent_all_gather,
     reduce_scatter_sum,
 )
+from .kernels import causal_attention, packed_causal_attention, select_kernel
 
 __all__ = [
     "ContextParallelMLASelfAttention",
@@ -18,4 +20,5 @@ __all__ = [
     "latent_all_gather",
     "packed_causal_attention",
     "reduce_scatter_sum",
+    "select_kernel",
 ]

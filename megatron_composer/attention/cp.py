@@ -12,6 +12,12 @@ The Composer 2 report's scheme. Per layer, each CP rank
 5. attends its local zigzag queries to the full K/V, each query chunk
    against the causal prefix of its own document.
 
+With recompute of "mla_up_proj" (`--recompute-granularity selective
+--recompute-modules mla_up_proj`) steps 3 and 4's up-projections run under
+megatron-core's `CheckpointWithoutOutput`: backward keeps only the compressed
+query and the gathered latents, and the expanded query, K and V are freed after
+core attention and recomputed when its gradient arrives.
+
 Backward of the gather is a reduce-scatter (sum) of the latent gradients to
 each rank's own tokens. Per token and layer that moves kv_lora_rank +
 qk_pos_emb_head_dim numbers (576 for Kimi K2.5) instead of the expanded
@@ -29,12 +35,14 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from megatron.core import tensor_parallel
 from megatron.core.models.common.embeddings import apply_rotary_pos_emb
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
 from ..parallel.collectives import all_gather_single, reduce_scatter_single
 from ..parallel import Segment, ZigzagLayout
-from .core import MLACoreAttention, causal_attention
+from .core import MLACoreAttention
+from .kernels import causal_attention, pad_value
 
 
 # ------------------------------------------------------------ collectives
@@ -105,16 +113,18 @@ def attend_segments(query, key, value, segments: list[Segment], softmax_scale: f
     Returns:
         [s_local, b, n * dv] (packed: [t_local, n * dv]).
     """
+    dv = value.shape[-1]
+    value = pad_value(value, query.shape[-1])  # once, not per overlapping key range
     outs = []
     for seg in segments:
         q, k, v = query[seg.q_start:seg.q_end], key[seg.k_start:seg.k_end], value[seg.k_start:seg.k_end]
         if packed:  # [len, n, d] -> [1, n, len, d]
             q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-            out = causal_attention(q, k, v, softmax_scale).squeeze(0).transpose(0, 1)
+            out = causal_attention(q, k, v, softmax_scale)[..., :dv].squeeze(0).transpose(0, 1)
             outs.append(out.reshape(out.shape[0], -1))
         else:  # [len, b, n, d] -> [b, n, len, d]
             q, k, v = (x.permute(1, 2, 0, 3) for x in (q, k, v))
-            out = causal_attention(q, k, v, softmax_scale)
+            out = causal_attention(q, k, v, softmax_scale)[..., :dv]
             outs.append(out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1))
     return torch.cat(outs, dim=0)
 
@@ -157,9 +167,9 @@ class ContextParallelMLASelfAttention(MLASelfAttention):
                 f"context-parallel MLA needs TP=1, got TP={self.pg_collection.tp.size()}; "
                 "use CP x EP instead of TP (the recipe's layout)"
             )
-        if self.config.cache_mla_latents or self.recompute_up_proj:
-            raise ValueError("context-parallel MLA does not support cache_mla_latents or "
-                             "recompute of the MLA up-projections")
+        if self.config.cache_mla_latents:
+            raise ValueError("context-parallel MLA does not support cache_mla_latents (an "
+                             "inference option); run inference with CP=1")
 
     def _rope_freqs(self, layout: ZigzagLayout, rank: int):
         """RoPE angles of this rank's tokens at their true positions: [s_local, 1, 1, d], mscale."""
@@ -216,16 +226,39 @@ class ContextParallelMLASelfAttention(MLASelfAttention):
             if packed:
                 q_compressed = q_compressed.squeeze(1)
             q_compressed = self.q_layernorm(q_compressed)
-            q, _ = self.linear_q_up_proj(q_compressed)
         else:
             q_compressed = hidden_states.squeeze(1) if packed else hidden_states
+        checkpoints = _UpProjCheckpoints(cfg) if self.recompute_up_proj else None
+
+        def query_up(q_compressed):
+            return self._query_up_proj(q_compressed, freqs, mscale)
+
+        query = _maybe_checkpoint(checkpoints, query_up, q_compressed)
+
+        # 4. full latents in global order, K/V up-projection
+        full = pending.wait().index_select(0, layout.unzigzag_index().to(latent.device))
+        key, value = _maybe_checkpoint(checkpoints, self._kv_up_proj, full)
+        # megatron-core's MLA forward discards the up-projected tensors after core
+        # attention and recomputes them when the core attention's gradient arrives.
+        self.qkv_up_checkpoint = checkpoints
+        return query, key, value, q_compressed, kv_compressed
+
+    def _query_up_proj(self, q_compressed, freqs, mscale):
+        """[s_local, b, q_lora_rank or h] (packed [t_local, .]) -> query [.., n, qk+rope],
+        RoPE at the tokens' true positions, contiguous."""
+        cfg = self.config
+        if cfg.q_lora_rank is not None:
+            q, _ = self.linear_q_up_proj(q_compressed)
+        else:
             q, _ = self.linear_q_proj(q_compressed)
         q = q.view(*q.shape[:-1], self.num_attention_heads_per_partition, self.q_head_dim)
         q_no_pe, q_pos_emb = torch.split(q, [cfg.qk_head_dim, cfg.qk_pos_emb_head_dim], dim=-1)
-        query = torch.cat([q_no_pe, self._rope(q_pos_emb, freqs, mscale)], dim=-1)
+        return torch.cat([q_no_pe, self._rope(q_pos_emb, freqs, mscale)], dim=-1).contiguous()
 
-        # 4. full sequence in global order, K/V up-projection
-        full = pending.wait().index_select(0, layout.unzigzag_index().to(latent.device))
+    def _kv_up_proj(self, full):
+        """Full latents [s, b, kv_lora_rank + rope] (packed [t, .], global order, RoPE
+        applied) -> key [.., n, qk+rope], value [.., n, v], contiguous."""
+        cfg = self.config
         kv_full, k_pos_full = torch.split(full, [cfg.kv_lora_rank, cfg.qk_pos_emb_head_dim], dim=-1)
         kv, _ = self.linear_kv_up_proj(kv_full)
         kv = kv.view(*kv.shape[:-1], self.num_attention_heads_per_partition,
@@ -233,4 +266,30 @@ class ContextParallelMLASelfAttention(MLASelfAttention):
         k_no_pe, value = torch.split(kv, [cfg.qk_head_dim, cfg.v_head_dim], dim=-1)
         k_pos_full = k_pos_full.unsqueeze(-2).expand(*k_no_pe.shape[:-1], cfg.qk_pos_emb_head_dim)
         key = torch.cat([k_no_pe, k_pos_full], dim=-1)
-        return query.contiguous(), key.contiguous(), value.contiguous(), q_compressed, kv_compressed
+        return key.contiguous(), value.contiguous()
+
+
+class _UpProjCheckpoints:
+    """The query and the K/V up-projection checkpoints of one layer, released together.
+
+    Two checkpoints, not one as in megatron-core's MLA, so the query
+    up-projection still overlaps the latent all-gather. Quacks like the
+    `CheckpointWithoutOutput` that `MLASelfAttention.forward` releases.
+    """
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.parts = []
+
+    def checkpoint(self, fn, *args):
+        part = tensor_parallel.CheckpointWithoutOutput(fp8=self.cfg.fp8 or self.cfg.fp4)
+        self.parts.append(part)
+        return part.checkpoint(fn, *args)
+
+    def discard_output_and_register_recompute(self, hook_tensor):
+        for part in self.parts:
+            part.discard_output_and_register_recompute(hook_tensor)
+
+
+def _maybe_checkpoint(checkpoints, fn, *args):
+    return fn(*args) if checkpoints is None else checkpoints.checkpoint(fn, *args)
