@@ -44,11 +44,15 @@ def _tracker():
     return get_cuda_rng_tracker()
 
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on CPU the tracker forks the CPU generator
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU run reading a CUDA run's state")
+
+
 def _draws():
-    """A draw from the CPU generator and one from the tracker's model-parallel stream."""
+    """Draws from the CPU generator, the device's, and the tracker's model-parallel stream."""
     with _tracker().fork():
-        forked = torch.rand(4)
-    return torch.rand(4), forked
+        forked = torch.rand(4, device=DEVICE)
+    return torch.rand(4), torch.rand(4, device=DEVICE), forked
 
 
 @pytest.fixture
@@ -70,7 +74,7 @@ def test_rng_state_round_trip_restores_the_cpu_generator_and_the_tracker(seeded_
     torch.manual_seed(3)
     _draws()
     state = rng_state()
-    assert state["format"] == FORMAT == 2 and state["device"] == "cpu" and "cuda" not in state
+    assert state["format"] == FORMAT == 2 and state["device"] == DEVICE and ("cuda" in state) == (DEVICE == "cuda")
     assert set(state["cuda_rng_tracker"]) == {"model-parallel-rng"}
     expected = _draws()
     _draws()  # move both streams on
@@ -84,10 +88,12 @@ def test_format_1_file_restores_the_cpu_generator(seeded_tracker):
     old = {"torch": torch.get_rng_state()}  # what checkpoints held before format 2
     want = torch.rand(3)
     torch.rand(10)
-    assert restore_rng_state(old) is None
+    note = restore_rng_state(old)
+    assert (note is None) == (DEVICE == "cpu")  # on a GPU: saved on cpu, noted
     assert torch.equal(torch.rand(3), want)
 
 
+@cpu_only
 def test_cuda_state_on_a_cpu_run_restores_the_cpu_generator_with_a_note(seeded_tracker):
     torch.manual_seed(7)
     saved = {"format": 2, "device": "cuda", "torch": torch.get_rng_state(),
@@ -116,6 +122,7 @@ def test_newer_rng_format_is_refused():
         restore_rng_state({"format": 3, "torch": torch.get_rng_state()})
 
 
+@cpu_only
 def test_checkpoint_from_a_cuda_run_loads_on_cpu_with_a_warning(tmp_path, seeded_tracker):
     model = torch.nn.Linear(4, 2)
     ck.save_checkpoint(str(tmp_path), 1, model, None, {})
@@ -165,3 +172,14 @@ def test_a_training_step_syncs_the_host_a_fixed_few_times(optimizer):
     # the grad norm (skip decision, clip factor), the finite-weights flag, the logged losses
     assert len(syncs.sites) <= 3, syncs.sites
     assert len(set(syncs.sites)) == len(syncs.sites), syncs.sites  # none of them in a loop
+
+
+# ---------------------------------------------------------------- device selection
+def test_local_rank_beyond_the_visible_gpus_is_named(monkeypatch):
+    from megatron_composer.platform import distributed
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="LOCAL_RANK 1 but this node shows 1 GPUs"):
+        distributed._select_gpu(1)
+    if not torch.cuda.is_available():
+        assert distributed.local_device() == torch.device("cpu")
