@@ -9,8 +9,9 @@ Rank discovery, in order:
 
 The backend is NCCL when CUDA is available and gloo otherwise. With CUDA,
 each process selects GPU LOCAL_RANK (`torch.cuda.set_device`) before anything
-touches CUDA and binds its NCCL communicators to it; `local_device()` is where
-the trainer puts the model and the batches. On CPU the megatron-core shims of
+touches CUDA, so NCCL communicators and megatron-core's buffers
+(`torch.cuda.current_device()`) land on it; `local_device()` is where the
+trainer puts the model and the batches. On CPU the megatron-core shims of
 `platform.cpu` are applied before any model is built.
 """
 from __future__ import annotations
@@ -118,13 +119,11 @@ def init_distributed(timeout_minutes: int = 30) -> DistEnv:
         apply_cpu_shims()
     else:
         _select_gpu(env.local_rank)
-    # NCCL communicators bound to this rank's GPU (barriers need no guess of the device)
-    bind = {"device_id": env.device} if env.backend == "nccl" else {}
     if not dist.is_initialized() and env.launcher == "single":
         # One process needs no rendezvous: an in-memory store, no port to race for.
         dist.init_process_group(
             backend=env.backend, store=dist.HashStore(), rank=0, world_size=1,
-            timeout=timedelta(minutes=timeout_minutes), **bind,
+            timeout=timedelta(minutes=timeout_minutes),
         )
     elif not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", env.master_addr)
@@ -134,7 +133,7 @@ def init_distributed(timeout_minutes: int = 30) -> DistEnv:
             init_method=f"tcp://{env.master_addr}:{env.master_port}",
             rank=env.rank,
             world_size=env.world_size,
-            timeout=timedelta(minutes=timeout_minutes), **bind,
+            timeout=timedelta(minutes=timeout_minutes),
         )
     return DistEnv(
         rank=dist.get_rank(),
