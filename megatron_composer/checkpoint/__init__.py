@@ -2,6 +2,7 @@
 
     tracker.py    directory layout, the tracker, what a path holds, fsync helpers
     integrity.py  per-file xxh3 checksums written at save, verified at load
+    rng.py        the random state of each rank (CPU, CUDA, megatron's RNG tracker)
     state.py      model / optimizer state under layout-independent names
     io.py         save_checkpoint, load_checkpoint, start-up checks
 

@@ -4,7 +4,8 @@ Save of iteration N under ROOT (`save_checkpoint`):
  1. refuse, writing nothing, if a model tensor holds NaN/Inf on any rank;
  2. rank 0 makes ROOT/iter_N.tmp (clearing debris of an earlier attempt);
  3. DCP writes every rank's shards into it (each file fsynced), each rank
-    its `rng_rank{r}.pt`, rank 0 `meta.json`;
+    its `rng_rank{r}.pt` (`rng.py`: CPU, CUDA and RNG-tracker states), rank 0
+    `meta.json`;
  4. each rank checksums the files it wrote; rank 0 writes the manifest;
  5. rank 0 publishes: fsync the dir; move an existing iter_N (a re-save) to
     iter_N.old; rename iter_N.tmp to iter_N; fsync ROOT; replace the tracker
@@ -16,7 +17,8 @@ names an iteration without a complete copy: during 5 readers fall back to
 iter_N.old (`tracker.readable_iteration_dir`).
 
 Load (`load_checkpoint`): tracker -> complete dir -> checksums (ranks
-split the files) -> DCP load into this rank's layout -> rng states. Every
+split the files) -> DCP load into this rank's layout -> rng states (a state
+saved on another kind of device is noted in meta["rng_note"]). Every
 failure is one CheckpointError naming the path and the likely fix; DCP's
 own CheckpointException is a BaseException, so it is caught by name.
 
@@ -46,6 +48,7 @@ from .integrity import (
     verify_files,
     write_manifest,
 )
+from .rng import restore_rng_state, rng_state
 from .state import (
     first_nonfinite,
     load_model_state_dict,
@@ -144,16 +147,9 @@ def _fresh_dir(root: str, tmp: str) -> None:
     os.makedirs(tmp)
 
 
-def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
 def _write_rng(tmp: str) -> None:
     path = os.path.join(tmp, f"rng_rank{_rank()}.pt")
-    torch.save(_rng_state(), path)
+    torch.save(rng_state(), path)
     fsync_file(path)
 
 
@@ -284,16 +280,15 @@ def _stored_keys(path: str) -> set:
                               "is damaged: restore it from a copy or resume from another iteration") from None
 
 
-def _load_rng(path: str) -> None:
+def _load_rng(path: str) -> Optional[str]:
+    """Restore this rank's random state; a note if part of it could not be (`rng.restore_rng_state`)."""
     file = os.path.join(path, f"rng_rank{_rank()}.pt")
     if not os.path.exists(file):
-        return  # more ranks than at save time: the new ranks keep their seeded state
+        return None  # more ranks than at save time: the new ranks keep their seeded state
     try:
         saved = torch.load(file, weights_only=True)
-        torch.set_rng_state(saved["torch"])
-        if "cuda" in saved and torch.cuda.is_available():
-            for device, rng in enumerate(saved["cuda"][:torch.cuda.device_count()]):
-                torch.cuda.set_rng_state(rng, device)
+        note = restore_rng_state(saved)
+        return f"{file}: {note}" if note else None
     except Exception as exc:  # noqa: BLE001 - a damaged pickle raises anything
         raise CheckpointError(
             f"rng file {file} is unreadable ({_describe(exc)}); restore it, or delete it to resume with "
@@ -330,7 +325,10 @@ def load_checkpoint(root: str, model, optimizer=None, iteration: Optional[int] =
     load_model_state_dict(model, state["model"], allow_missing)
     if load_optim:
         load_optimizer_state_dict(model, optimizer, state["optimizer"])
-    _agreed(lambda: _load_rng(path))
+    note = _agreed(lambda: _load_rng(path))[_rank()]
+    if note:
+        warnings.warn(note)
+        meta = dict(meta, rng_note=note)
     return meta
 
 

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from ..checkpoint.state import load_name_keyed_optimizer_state, name_keyed_optimizer_state
 from ..config.training import OptimizerConfig
+from ..platform.distributed import local_device
 from .param_groups import HeadGeometry, adamw_param_groups, build_muon_adamw
 from .schedule import learning_rate
 
@@ -152,7 +153,9 @@ class ComposerOptimizer:
         Returns (success, grad norm before clipping, None). Raises
         `NonFiniteParametersError` if an applied update made a weight non-finite.
         """
-        norm = self.model.grad_norm().item()  # the step's one host sync: the skip decision needs it
+        # host syncs of a step: this norm (the skip decision and the clip factor need it) and
+        # the finite-weights flag; everything else stays queued on the device
+        norm = self.model.grad_norm().item()
         if not math.isfinite(norm):
             return False, norm, None
         grads = self.model.grads()
@@ -169,20 +172,25 @@ class ComposerOptimizer:
         self.copy_main_to_model()
         return True, norm, None
 
-    def non_finite_parameters(self) -> list[str]:
-        """Names of this rank's trainable weights that hold NaN/Inf."""
+    def _non_finite_flags(self) -> torch.Tensor:
+        """[trainable weights] bool on their device: True where a weight holds NaN/Inf."""
         local = [_local(p) for p in self.opt_params]
         if not local:
-            return []
-        norms = torch.stack(torch._foreach_norm(local, 2))
-        return [self.names[i] for i in torch.nonzero(~torch.isfinite(norms)).flatten().tolist()]
+            return torch.zeros(0, dtype=torch.bool, device=local_device())
+        return ~torch.isfinite(torch.stack(torch._foreach_norm(local, 2)))
+
+    def non_finite_parameters(self) -> list[str]:
+        """Names of this rank's trainable weights that hold NaN/Inf."""
+        return [self.names[i] for i in torch.nonzero(self._non_finite_flags()).flatten().tolist()]
 
     def _check_finite(self) -> None:
-        bad = self.non_finite_parameters()
-        flag = torch.tensor([float(bool(bad))], device=self.opt_params[0].device if self.opt_params else None)
+        """One host sync: the any-rank flag; names are looked up only when it is set."""
+        flags = self._non_finite_flags()
+        flag = flags.any().float().reshape(1)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank stops together
         if flag.item():
+            bad = self.non_finite_parameters()
             where = f"{len(bad)} tensors on this rank, first {bad[0]}" if bad else "on another rank"
             raise NonFiniteParametersError(
                 f"the update made weights non-finite ({where}); nothing of it is saved. "

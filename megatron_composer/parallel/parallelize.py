@@ -12,6 +12,10 @@ same for both kinds, so the training step never branches on the sharding:
   fp32 and FSDP2 casts them for the forward (`MixedPrecisionPolicy(param_dtype
   =bf16, reduce_dtype=fp32)`).
 
+Everything here stays on the device: the norm is a device scalar and the
+expert-bias update never reads counts back to the host (the optimizer's skip
+decision is the one place the norm is synced).
+
 Either way, after `finalize_grads()` every trainable parameter's reduced
 fp32 gradient is `grads()[i]` and `grad_norm()` is the global L2 norm, with
 one implementation: squares of the local gradients are summed per reduction
@@ -36,6 +40,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.transformer.moe.moe_utils import get_updated_expert_bias
 
+from ..platform.distributed import local_device
 from .fsdp import apply_dual_mesh_hsdp, dense_mesh, expert_mesh
 from .layout import ParallelLayout
 from .wrappers import unwrap
@@ -95,7 +100,7 @@ class ParallelModel:
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the reduced gradients (fp64 scalar, same on every rank)."""
         grads = self.grads()
-        device = next((g.device for g in grads if g is not None), torch.device("cpu"))
+        device = next((g.device for g in grads if g is not None), None) or local_device()
         total = torch.zeros((), dtype=torch.float64, device=device)
         for indices, groups in self._norm_buckets:
             local = [_local(grads[i]) for i in indices if grads[i] is not None]

@@ -1,6 +1,6 @@
 """Device and distributed bootstrap: one code path for CPU/gloo and CUDA/NCCL."""
 from .cpu import MegatronCoreVersionError, apply_cpu_shims, check_megatron_core_version
-from .distributed import DistEnv, destroy_distributed, init_distributed
+from .distributed import DistEnv, destroy_distributed, init_distributed, local_device
 
 __all__ = [
     "DistEnv",
@@ -9,4 +9,5 @@ __all__ = [
     "check_megatron_core_version",
     "destroy_distributed",
     "init_distributed",
+    "local_device",
 ]

@@ -7,8 +7,12 @@ Rank discovery, in order:
    SLURM_JOB_NODELIST (or MASTER_ADDR if set), port MASTER_PORT or 29500.
 3. Neither: a single process (rank 0 of 1) with an in-memory store (no port).
 
-The backend is NCCL when CUDA is available and gloo otherwise; on CPU the
-megatron-core shims of `platform.cpu` are applied before any model is built.
+The backend is NCCL when CUDA is available and gloo otherwise. With CUDA,
+each process selects GPU LOCAL_RANK (`torch.cuda.set_device`) before anything
+touches CUDA, so NCCL communicators and megatron-core's buffers
+(`torch.cuda.current_device()`) land on it; `local_device()` is where the
+trainer puts the model and the batches. On CPU the megatron-core shims of
+`platform.cpu` are applied before any model is built.
 """
 from __future__ import annotations
 
@@ -87,6 +91,22 @@ def discover_env(env=None) -> DistEnv:
     return DistEnv(0, 1, 0, "127.0.0.1", 0, "single")
 
 
+def local_device() -> torch.device:
+    """This process's device: its GPU (selected by `init_distributed`), else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _select_gpu(local_rank: int) -> None:
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise ValueError(f"LOCAL_RANK {local_rank} but this node shows {count} GPUs "
+                         f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
+                         f"launch at most {count} processes per node")
+    torch.cuda.set_device(local_rank)
+
+
 def init_distributed(timeout_minutes: int = 30) -> DistEnv:
     """Initialize torch.distributed (once) and the device; return the environment.
 
@@ -98,7 +118,7 @@ def init_distributed(timeout_minutes: int = 30) -> DistEnv:
     if not torch.cuda.is_available():
         apply_cpu_shims()
     else:
-        torch.cuda.set_device(env.local_rank)
+        _select_gpu(env.local_rank)
     if not dist.is_initialized() and env.launcher == "single":
         # One process needs no rendezvous: an in-memory store, no port to race for.
         dist.init_process_group(

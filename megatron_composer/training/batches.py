@@ -1,10 +1,14 @@
-"""Micro-batches: which samples each data-parallel rank reads, and collation.
+"""Micro-batches: which samples each data-parallel rank reads, collation, and the copy to the device.
 
 Sample order is a pure function of (consumed samples, global batch, DP rank),
 so resuming at iteration N reads exactly what an uninterrupted run reads.
+Batches are built on the host (collation, zigzag split, the CP shift plans
+read `cu_seqlens` there) and then copied to the model's device once
+(`Batch.to`), so the step's bookkeeping never reads them back from a GPU.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -22,6 +26,32 @@ class Batch:
     position_ids: torch.Tensor  # [b, s] int64
     segment_ids: torch.Tensor  # [b, s] int64, document index within each sample
     packed_seq_params: Optional[PackedSeqParams] = None  # "thd" when b == 1 packed
+
+    def to(self, device: torch.device, non_blocking: bool = True) -> "Batch":
+        """This batch on `device`: every tensor, the packed params' cu_seqlens included.
+
+        Copies to CUDA go through pinned host memory with `non_blocking`, so they
+        queue behind the running kernels instead of waiting for them. The
+        `max_seqlen_*` of the packed params stay Python ints (kernels size their
+        launch grids from them on the host).
+        """
+        device = torch.device(device)
+        if device == self.tokens.device:
+            return self
+        pin = device.type == "cuda" and self.tokens.device.type == "cpu"
+
+        def move(t):
+            if not torch.is_tensor(t):
+                return t
+            return (t.pin_memory() if pin else t).to(device, non_blocking=non_blocking)
+
+        params = self.packed_seq_params
+        if params is not None:
+            params = dataclasses.replace(params, **{f.name: move(getattr(params, f.name))
+                                                    for f in dataclasses.fields(params)
+                                                    if torch.is_tensor(getattr(params, f.name))})
+        fields = ("tokens", "labels", "loss_mask", "position_ids", "segment_ids")
+        return dataclasses.replace(self, packed_seq_params=params, **{f: move(getattr(self, f)) for f in fields})
 
 
 def micro_batch_indices(

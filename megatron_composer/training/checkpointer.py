@@ -11,7 +11,9 @@
   optimizer, iteration and data; MTP modules may be new); `--no-load-optim`
   keeps the fresh optimizer. A `--load` that is missing or not a checkpoint
   is an error, except the resume idiom `--save D --load D` on first launch
-  (D missing or empty), which starts from scratch and says so.
+  (D missing or empty), which starts from scratch and says so. The CUDA and
+  RNG-tracker streams of a checkpoint saved on another kind of device (CPU
+  vs CUDA) keep their seeded state, with a warning.
 """
 from __future__ import annotations
 
@@ -99,3 +101,5 @@ class Checkpointer:
         else:
             reason = " (optimizer state not loaded: --no-load-optim)" if self.cfg.no_load_optim else ""
         self._print(f" loaded checkpoint from {load} at iteration {meta['iteration']}{reason}")
+        if meta.get("rng_note"):
+            self._print(f" WARNING: {meta['rng_note']}")

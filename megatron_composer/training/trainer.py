@@ -5,14 +5,18 @@
     trainer.train()           # log / eval / save intervals until --train-iters
 
 Construction, in order (torchtitan's shape): megatron-core parallel state
-for the layout, the model from our layer specs, `parallel.parallelize`
-(DDP or dual-mesh HSDP), `optim.build_optimizer` (AdamW or Muon + AdamW,
-fp32 main weights under --bf16), the loss plug-ins.
+for the layout, the model from our layer specs, moved whole onto this rank's
+device (`platform.local_device`: megatron-core initializes its linears on the
+current GPU, but the local spec's torch norms and our own modules are built
+on the CPU), `parallel.parallelize` (DDP or dual-mesh HSDP),
+`optim.build_optimizer` (AdamW or Muon + AdamW, fp32 main weights under
+--bf16), the loss plug-ins.
 
 One optimizer step (`step()`):
   1. read this DP rank's micro-batches for the global batch (deterministic
      in the number of consumed samples, so a resumed run reads the same data);
-     under context parallelism each CP rank keeps its zigzag share;
+     under context parallelism each CP rank keeps its zigzag share; all of it
+     on the host, then one non-blocking copy per micro-batch to the device;
   2. count every loss plug-in's positions over the whole global batch (one
      all-reduce over DP x CP), so each loss is a per-position mean that does
      not depend on how the batch is split;
@@ -21,6 +25,11 @@ One optimizer step (`step()`):
   5. the optimizer: global grad norm, non-finite skip, clipping, scheduled
      LR, update, finiteness of the new weights;
   6. the aux-loss-free expert-bias update, for applied steps only.
+
+Every reduction runs on device tensors (NCCL reduces nothing else). Host
+syncs per step, whatever the model size: the gradient norm (the skip
+decision and the clip factor), the non-finite-weights flag, and the logged
+losses (one copy of [losses, counts]).
 """
 from __future__ import annotations
 
@@ -40,6 +49,7 @@ from ..optim.builder import build_optimizer
 from ..parallel import ParallelLayout, ZigzagLayout, cp_shift_left, shift_left, zigzag_batch
 from ..parallel.layout import initialize_parallel
 from ..parallel.parallelize import parallelize
+from ..platform.distributed import local_device
 from .batches import Batch, collate, micro_batch_indices
 from .checkpointer import Checkpointer
 from .logger import TrainingLogger
@@ -102,7 +112,8 @@ class Trainer:
         if cfg.mtp_freeze_trunk and not model_cfg.mtp_num_layers:
             raise ValueError("--mtp-freeze-trunk needs --mtp-num-layers >= 1")
         gpt = self._build_model()
-        self.device = next(gpt.parameters()).device
+        self.device = local_device()
+        gpt.to(self.device)  # before the DDP wrapper allocates its gradient buffers there
         self.model = parallelize(gpt, layout, sharding=cfg.data_parallel_sharding,
                                  dense_shard_size=cfg.dense_shard_size, bf16=cfg.bf16)
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
@@ -147,6 +158,7 @@ class Trainer:
 
     # ---- data ---------------------------------------------------------------
     def micro_batches(self, consumed_samples: int, dataset=None) -> list[Batch]:
+        """This rank's micro-batches of the global batch at `consumed_samples`, on the host."""
         dataset = dataset if dataset is not None else self.data.train
         n = len(dataset)
         batches = []
@@ -189,10 +201,12 @@ class Trainer:
         start = time.perf_counter()
         st = self.state
         self.model.train()
-        batches = self.micro_batches(st.consumed_samples)
-        shifts = [self.shift_for(b) for b in batches]
+        host = self.micro_batches(st.consumed_samples)
+        shifts = [self.shift_for(b) for b in host]  # plans read cu_seqlens on the host
+        batches = [b.to(self.device) for b in host]
         counts = self.global_counts(batches, shifts)
-        denominators = counts.clamp(min=1.0).tolist()
+        # fp32 like the Python floats they replace (exact: counts < 2**24); no sync before the forward
+        denominators = counts.clamp(min=1.0).float()
         totals = torch.zeros(len(self.loss_plugins), dtype=torch.float64, device=self.device)
         self.model.zero_grad()
         for batch, shift in zip(batches, shifts):
@@ -212,7 +226,8 @@ class Trainer:
         st.consumed_samples += self.global_batch_size
         st.skipped_iterations += not applied
         st.consecutive_skipped = 0 if applied else st.consecutive_skipped + 1
-        losses = {p.name: (t / n) for p, t, n in zip(self.loss_plugins, totals.tolist(), denominators)}
+        totals, counts = torch.stack([totals, counts.clamp(min=1.0)]).tolist()  # the logged values
+        losses = {p.name: (t / n) for p, t, n in zip(self.loss_plugins, totals, counts)}
         result = StepResult(losses=losses, grad_norm=norm, tokens=self.global_batch_size * self.cfg.seq_length,
                             skipped=not applied, lr=lr, seconds=time.perf_counter() - start)
         return result
@@ -226,6 +241,7 @@ class Trainer:
         try:
             for i in range(iters):
                 for batch in self.micro_batches(i * self.global_batch_size, dataset):
+                    batch = batch.to(self.device)
                     out = self.forward(batch)
                     total += torch.stack([lm.loss_sum(batch, out, shift_left).double(),
                                           lm.count(batch, shift_left).double()])
