@@ -164,6 +164,34 @@ def test_new_grad_allocates_one_logits_sized_gradient(monkeypatch):
     assert largest == logits_bytes
 
 
+def test_behind_an_output_layer_the_losses_allocate_one_fp32_chunk_and_match(monkeypatch):
+    """As in training: logits made by a projection (not leaves), one backward() of LM + MTP
+    loss; the parameters' gradients equal the references', nothing logits-sized is allocated.
+    (A *leaf* would cost one copy: AccumulateGrad clones a gradient that shares its storage.)"""
+    s, b, h, v = 256, 2, 16, 256
+    monkeypatch.setattr(losses, "CHUNK_ELEMENTS", 4 * b * v)
+    g = torch.Generator().manual_seed(11)
+    hidden, weight = torch.randn(s, b, h, generator=g), torch.randn(v, h, generator=g)
+    labels, loss_mask = torch.randint(0, v, (b, s), generator=g), torch.ones(b, s)
+    segment_ids = torch.zeros(b, s, dtype=torch.long)
+
+    def heads():
+        w = weight.clone().requires_grad_()
+        return w, (hidden @ w.t()).transpose(0, 1), (hidden.flip(0) @ w.t()).transpose(0, 1)
+
+    w, main, student = heads()
+    _, _, ref_main, ref_student = _reference(main, student, labels, loss_mask, segment_ids, 1, "self-distill")
+    ref = torch.autograd.grad([main, student], w, [ref_main, ref_student])[0]
+    w, main, student = heads()
+    with _LargestAllocation() as mode:
+        lm, _ = lm_loss(main, labels, loss_mask, fusion=True, overwrite_logits=True)
+        kl, _ = mtp_self_distillation_loss(student, main, loss_mask, 1, segment_ids, overwrite_logits=True)
+        (0.5 * lm + 0.3 * kl).backward()
+    _close(w.grad, ref, "output weight gradient")
+    chunk_bytes, weight_grad_bytes = 4 * b * v * 4, weight.numel() * 4
+    assert mode.largest <= max(chunk_bytes, weight_grad_bytes) < main.numel() * 4 / 8
+
+
 def _vocab_parallel_body(rank, world_size, tensors):
     main, student, labels, loss_mask, segment_ids = tensors
     v = main.shape[-1] // world_size
@@ -196,8 +224,8 @@ def test_vocab_split_over_two_ranks_equals_the_full_vocabulary():
 def test_cuda_compiled_megatron_pieces_equal_the_cpu_losses(dtype):
     main, student, labels, loss_mask, segment_ids = _batch(b=2, s=64, v=1000, seed=9, dtype=dtype)
     cpu = _ours(main, student, labels, loss_mask, segment_ids, 1, "self-distill", fusion=True)
-    cuda = [t.detach().cuda().requires_grad_() if t.is_floating_point() else t.cuda()
-            for t in (main, student, labels, loss_mask, segment_ids)]
+    cuda = [t.detach().cuda().requires_grad_() for t in (main, student)]
+    cuda += [t.cuda() for t in (labels, loss_mask, segment_ids)]
     got = _ours(*cuda, 1, "self-distill", fusion=True, overwrite_logits=True)
     tol = RTOL * 10 if dtype == torch.float32 else 1e-2
     for name, a, e in zip(["lm loss", "mtp loss", "main grad", "student grad"], got, cpu):
@@ -230,3 +258,43 @@ def test_cuda_loss_memory_at_8k_positions_of_a_160k_vocabulary():
           f"fp32 chunk {chunk_bytes / 2**20:.0f} MiB")
     assert torch.isfinite(lm) and torch.isfinite(kl)
     assert extra <= 6 * chunk_bytes < logits_bytes
+
+
+@pytest.mark.parametrize("argv, fused", [([], False), (["--cross-entropy-loss-fusion"], True)])
+@pytest.mark.parametrize("mtp", ["self-distill", "ce"])
+def test_cross_entropy_loss_fusion_flag_reaches_the_loss_plugins(argv, fused, mtp):
+    from megatron_composer.config.presets import get_preset
+    from megatron_composer.config.training import TrainingConfig
+    from megatron_composer.training.arguments import parse_args
+    from megatron_composer.training.loss_plugins import build_loss_plugins
+
+    cfg = TrainingConfig.from_args(parse_args(argv + ["--mtp-loss", mtp]))
+    assert cfg.cross_entropy_loss_fusion is fused
+    lm, mtp_loss = build_loss_plugins(get_preset("tiny"), cfg)
+    assert lm.fusion is fused and mtp_loss.fusion is fused and mtp_loss.kind == mtp
+
+
+@pytest.mark.parametrize("fusion", [False, True], ids=["torch", "megatron-fused"])
+@pytest.mark.parametrize("mtp", ["self-distill", "ce"])
+def test_loss_plugins_in_the_loops_order_equal_the_references(fusion, mtp):
+    """LMLoss then MTPLoss (depths 1, 2) on fresh logits, as Trainer.step calls them."""
+    from types import SimpleNamespace
+
+    from megatron_composer.parallel import shift_left
+    from megatron_composer.training.loss_plugins import LMLoss, MTPLoss, ModelOutput
+
+    main, student, labels, loss_mask, segment_ids = _batch(seed=13)
+    deeper = _batch(seed=14)[1]
+    ref1 = _reference(main, student, labels, loss_mask, segment_ids, 1, mtp)
+    ref2 = _reference(main, deeper, labels, loss_mask, segment_ids, 2, mtp)
+    leaves = (main, student, deeper)
+    out = ModelOutput(main * 1.0, [student * 1.0, deeper * 1.0])  # not leaves, as a layer's outputs
+    batch = SimpleNamespace(labels=labels, loss_mask=loss_mask, segment_ids=segment_ids)
+    plugins = [LMLoss(scale=0.5, fusion=fusion), MTPLoss(2, mtp, scale=0.3, fusion=fusion)]
+    sums = [p.loss_sum(batch, out, shift_left) for p in plugins]
+    grads = torch.autograd.grad(sum(p.scale * s for p, s in zip(plugins, sums)), leaves)
+    _close(sums[0], ref1[0], "lm loss")
+    _close(sums[1], ref1[1] + ref2[1], "mtp loss")
+    _close(grads[0], ref1[2], "main grad")  # the LM loss's only: the teacher is detached
+    _close(grads[1], ref1[3], "depth-1 grad")
+    _close(grads[2], ref2[3], "depth-2 grad")

@@ -31,7 +31,9 @@ upcasts or copies whole logits L = [b, s, v], which stay in the model's dtype:
    pieces are `torch.compile`d (megatron's `jit_fuser`); on CPU we call the
    uncompiled functions (`_megatron_pieces`): inductor needs a C++
    toolchain there and compiles every new chunk shape (~15 s the first),
-   more than the loss costs at CPU sizes. Same math either way.
+   more than the loss costs at CPU sizes. Same math either way. The flag is
+   the loss plug-ins' (TrainingConfig), not TransformerConfig's
+   `cross_entropy_loss_fusion`: GPTModel.forward never computes these losses.
 3. Self-distillation KL (`ChunkedDistillation`) needs the teacher rows,
    which the cross-entropy's backward overwrites, so it computes its
    closed-form student gradient (q - p) * weight during the forward: into
@@ -47,7 +49,12 @@ upcasts or copies whole logits L = [b, s, v], which stay in the model's dtype:
    rank writes its slice of the gradient, and every rank returns the full sum.
 
 Extra memory of loss + backward with `overwrite_logits`: a few fp32 chunks
-and [s, b] statistics. Without it: plus one L-sized gradient per loss.
+and [s, b] statistics, for logits made by a layer as in the model (autograd
+clones a gradient that shares a *leaf*'s storage into its `.grad`). Without
+it: plus one L-sized gradient per loss. Measured on CPU at [4, 512, 4096]
+(LM loss + self-distillation, forward + backward): the largest allocation
+went from one logits-sized fp32 tensor (32 MiB) to one chunk (0.5 MiB), at
+about the same speed.
 """
 from __future__ import annotations
 
