@@ -298,3 +298,29 @@ def test_loss_plugins_in_the_loops_order_equal_the_references(fusion, mtp):
     _close(grads[0], ref1[2], "main grad")  # the LM loss's only: the teacher is detached
     _close(grads[1], ref1[3], "depth-1 grad")
     _close(grads[2], ref2[3], "depth-2 grad")
+
+
+@pytest.mark.parametrize("fusion", [False, True])
+def test_fusion_runs_megatrons_fused_cross_entropy_code_per_chunk(monkeypatch, fusion):
+    from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
+
+    calls = []
+    original = VocabParallelCrossEntropy.calculate_predicted_logits
+
+    def spy(*args):
+        calls.append(args[0].shape)
+        return original(*args)
+
+    monkeypatch.setattr(VocabParallelCrossEntropy, "calculate_predicted_logits", staticmethod(spy))
+    monkeypatch.setattr(losses, "CHUNK_ELEMENTS", 5 * 3 * 50)
+    main, _, labels, loss_mask, _ = _batch()  # s = 23: chunks of 5, 5, 5, 5, 3 positions
+    lm_loss(main, labels, loss_mask, fusion=fusion)
+    assert calls == ([(5, 3, 50)] * 4 + [(3, 3, 50)] if fusion else [])
+
+
+def test_a_second_backward_through_overwritten_logits_raises():
+    main, _, labels, loss_mask, _ = _batch()
+    total, _ = lm_loss(main * 1.0, labels, loss_mask, overwrite_logits=True)
+    total.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        total.backward()

@@ -276,7 +276,8 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, weight: torch.
         weight: [b, s] float.
         fusion: forward statistics through megatron-core's fused cross-entropy.
         overwrite_logits: backward writes the gradient into `logits`' storage (their values
-            are gone afterwards); only for logits nothing else reads in backward.
+            are gone afterwards); only for logits nothing else reads in backward. A second
+            backward (retain_graph) then raises autograd's in-place modification error.
         group: process group the vocabulary is split over (None: logits hold all of it).
     Returns:
         fp32 scalar; its gradient flows to `logits` only.
