@@ -5,7 +5,8 @@ so the loop can normalize by the token count of the whole global batch
 (exact under any split into micro-batches and data-parallel ranks).
 
 The vocabulary-sized work (cross-entropy, MTP self-distillation) never
-upcasts or copies whole logits L = [b, s, v], which stay in the model's dtype:
+upcasts or copies whole logits L = [b, s, v], which stay in the model's dtype
+(the one copy left is the CP teacher, 4):
 
 1. Chunks of positions. `composer_forward` returns megatron's [s, b, v]
    storage as a [b, s, v] view; the losses walk it position-major, so a chunk
