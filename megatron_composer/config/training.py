@@ -111,6 +111,7 @@ class TrainingConfig:
     # losses
     mtp_loss: str = "self-distill"  # "self-distill" | "ce"
     mtp_loss_scaling_factor: float = 0.1
+    cross_entropy_loss_fusion: bool = False  # megatron-core's fused cross-entropy for the CE losses
     mtp_freeze_trunk: bool = False
     # batches
     reset_attention_mask: bool = False

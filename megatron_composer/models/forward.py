@@ -6,6 +6,10 @@ leave the model. The Composer recipe trains MTP by self-distillation toward
 the main head, which needs both distributions. `composer_forward` runs the
 same modules in the same order as `GPTModel.forward` (embedding -> decoder
 -> MTP block -> shared output layer) and returns the logits of every head.
+
+The logits stay in the model's dtype and in megatron's [s, b, v] storage
+(returned as a [b, s, v] view): the losses upcast one chunk of positions at
+a time (`training.losses`), so no full-vocabulary fp32 copy is ever made.
 """
 from __future__ import annotations
 
@@ -32,7 +36,8 @@ def composer_forward(
             the embedding interface).
         packed_seq_params: "thd" packing with b == 1, or None.
     Returns:
-        (logits [b, s, vocab], [mtp_logits [b, s, vocab] for each MTP depth]).
+        (logits [b, s, vocab], [mtp_logits [b, s, vocab] for each MTP depth]), in the
+        model's dtype, each a transposed view of a contiguous [s, b, vocab] tensor.
         MTP depth k at position t predicts token t + k + 1.
     """
     gpt = unwrap(model)
@@ -52,5 +57,5 @@ def composer_forward(
     heads = []
     for h in torch.chunk(hidden, 1 + depth, dim=0):
         logits, _ = gpt.output_layer(h, weight=weight, runtime_gather_output=True)
-        heads.append(logits.transpose(0, 1).float())  # [s, b, v] -> [b, s, v]
+        heads.append(logits.transpose(0, 1))  # [s, b, v] -> [b, s, v] view, no copy
     return heads[0], heads[1:]

@@ -102,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mtp-loss", choices=["self-distill", "ce"], default="self-distill",
                    help="MTP objective: distill the main head (Composer) or plain CE (DeepSeek-V3)")
     g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1)
+    g.add_argument("--cross-entropy-loss-fusion", action="store_true",
+                   help="cross-entropy through megatron-core's fused vocab-parallel kernels (chunked)")
     g.add_argument("--mtp-freeze-trunk", action="store_true",
                    help="train only the MTP modules (MTP added to a mid-CPT checkpoint)")
     g.add_argument("--max-skipped-iterations", type=int, default=5,

@@ -24,7 +24,14 @@ from .losses import Shift, lm_loss, mtp_cross_entropy_loss, mtp_self_distillatio
 
 @dataclass
 class ModelOutput:
-    """What one forward returns: main logits [b, s, v] and one [b, s, v] per MTP depth."""
+    """What one forward returns: main logits [b, s, v] and one [b, s, v] per MTP depth.
+
+    The plug-ins' losses write their gradients into these tensors' own storage
+    (`overwrite_logits`: the MTP heads' during the MTP loss's forward, the main
+    head's during backward), so nothing may read them after the MTP loss's
+    `loss_sum` except through autograd. That is what keeps the losses' extra
+    memory at a few chunks of positions instead of one logits-sized gradient each.
+    """
 
     logits: torch.Tensor
     mtp_logits: list
@@ -43,27 +50,32 @@ class LossPlugin(Protocol):
 
 @dataclass
 class LMLoss:
-    """Next-token cross-entropy on the loss-masked tokens."""
+    """Next-token cross-entropy on the loss-masked tokens; `fusion`: through
+    megatron-core's fused cross-entropy (--cross-entropy-loss-fusion)."""
 
     name: str = "lm loss"
     scale: float = 1.0
+    fusion: bool = False
 
     def count(self, batch, shift):
         return batch.loss_mask.sum()
 
     def loss_sum(self, batch, out, shift):
-        return lm_loss(out.logits, batch.labels, batch.loss_mask)[0]
+        return lm_loss(out.logits, batch.labels, batch.loss_mask, fusion=self.fusion, overwrite_logits=True)[0]
 
 
 @dataclass
 class MTPLoss:
     """The MTP heads' loss summed over depths: self-distillation toward the main
-    head (Composer) or cross-entropy on the token `depth` further (DeepSeek-V3)."""
+    head (Composer) or cross-entropy on the token `depth` further (DeepSeek-V3).
+    The teacher is read during this forward, before the LM loss's backward
+    writes its gradient over the main logits."""
 
     depth: int
     kind: str = "self-distill"
     scale: float = 0.1
     name: str = "mtp loss"
+    fusion: bool = False  # for kind "ce"
 
     def count(self, batch, shift):
         return sum(mtp_valid_mask(batch.loss_mask, k, batch.segment_ids, shift).sum()
@@ -74,17 +86,18 @@ class MTPLoss:
         for depth, head in enumerate(out.mtp_logits, start=1):
             if self.kind == "self-distill":
                 s, _ = mtp_self_distillation_loss(head, out.logits, batch.loss_mask, depth,
-                                                  batch.segment_ids, shift)
+                                                  batch.segment_ids, shift, overwrite_logits=True)
             else:
-                s, _ = mtp_cross_entropy_loss(head, batch.labels, batch.loss_mask, depth,
-                                              batch.segment_ids, shift)
+                s, _ = mtp_cross_entropy_loss(head, batch.labels, batch.loss_mask, depth, batch.segment_ids,
+                                              shift, fusion=self.fusion, overwrite_logits=True)
             total = total + s
         return total
 
 
 def build_loss_plugins(model_cfg: ModelConfig, cfg: TrainingConfig) -> list:
     """LM loss, plus the MTP loss when the model has MTP layers."""
-    plugins = [LMLoss()]
+    fusion = cfg.cross_entropy_loss_fusion
+    plugins = [LMLoss(fusion=fusion)]
     if model_cfg.mtp_num_layers:
-        plugins.append(MTPLoss(model_cfg.mtp_num_layers, cfg.mtp_loss, cfg.mtp_loss_scaling_factor))
+        plugins.append(MTPLoss(model_cfg.mtp_num_layers, cfg.mtp_loss, cfg.mtp_loss_scaling_factor, fusion=fusion))
     return plugins

@@ -4,20 +4,66 @@ Every loss returns a *sum* over tokens and the number of tokens it covers,
 so the loop can normalize by the token count of the whole global batch
 (exact under any split into micro-batches and data-parallel ranks).
 
-The vocabulary-sized work (cross-entropy, MTP self-distillation) runs through
-`fused_token_loss`: chunks of positions, each chunk's fp32 log-softmax and
-closed-form gradient computed while it is in cache, the gradient written
-into one logits-shaped buffer that backward only scales. Autograd through
-F.cross_entropy / log_softmax would keep full-vocabulary fp32 copies per
-loss and walk them again in backward. Chunks follow the position dim, so
-megatron's [s, b, v] logits storage (which `composer_forward` returns
-transposed) is read block by block and never copied.
+The vocabulary-sized work (cross-entropy, MTP self-distillation) never
+upcasts or copies whole logits L = [b, s, v], which stay in the model's dtype
+(the one copy left is the CP teacher, 4):
+
+1. Chunks of positions. `composer_forward` returns megatron's [s, b, v]
+   storage as a [b, s, v] view; the losses walk it position-major, so a chunk
+   is a contiguous block, upcast to fp32 on its own. fp32 temporaries are a
+   few chunks (`chunk_rows`: CHUNK_ELEMENTS on CPU, cache-sized;
+   CUDA_CHUNK_ELEMENTS on GPU, few kernel launches per sequence).
+2. Cross-entropy (`ChunkedCrossEntropy`). Forward keeps one fp32 log-sum-exp
+   per position; backward recomputes each chunk's softmax as exp(x - lse) and
+   writes weight * upstream * (softmax - onehot(label)) in L's dtype (bf16
+   grads for bf16 logits, as megatron's fused cross-entropy). With
+   `overwrite_logits` it writes into L's own storage (the output layer's
+   backward needs the gradient, not its output), else into one new L-sized
+   buffer. Writing in backward is what lets the MTP teacher read the same
+   main logits during the forward of the MTP loss.
+   `fusion=True` (`--cross-entropy-loss-fusion`) takes the forward statistics
+   from megatron-core's fused vocab-parallel cross-entropy
+   (`fusions/fused_cross_entropy.py`), chunk by chunk. We do not call its
+   autograd function: it keeps the whole fp32 softmax for backward (an
+   L-sized fp32 tensor), casts its gradient to bf16 whatever the logits'
+   dtype (fp32 training would lose precision), and subtracts the max in
+   place, which on fp32 logits would overwrite the teacher. We hand its
+   pieces an fp32 copy of one chunk and keep only the log-sum-exp. The
+   pieces are `torch.compile`d (megatron's `jit_fuser`); on CPU we call the
+   uncompiled functions (`_megatron_pieces`): inductor needs a C++
+   toolchain there and compiles every new chunk shape (~15 s the first),
+   more than the loss costs at CPU sizes. Same math either way. The flag is
+   the loss plug-ins' (TrainingConfig), not TransformerConfig's
+   `cross_entropy_loss_fusion`: GPTModel.forward never computes these losses.
+3. Self-distillation KL (`ChunkedDistillation`) needs the teacher rows,
+   which the cross-entropy's backward overwrites, so it computes its
+   closed-form student gradient (q - p) * weight during the forward: into
+   the student's own storage with `overwrite_logits`, else into a new
+   buffer; backward only scales it by the upstream scalar.
+4. The teacher under context parallelism: the zigzag `cp_shift_left` builds
+   a shifted teacher, one L-sized copy in L's dtype that lives for the KL's
+   forward (and briefly two more inside `cp_shift_left`: its concatenated
+   pool and masked fill). With CP=1 the teacher rows are read in place.
+5. Vocab-parallel: with `group`, each rank holds a contiguous 1/tp slice of
+   the vocabulary (megatron's `VocabUtility` ranges); the per-position max
+   and sum-exp (and the picked label logit) are all-reduced per chunk, each
+   rank writes its slice of the gradient, and every rank returns the full sum.
+
+Extra memory of loss + backward with `overwrite_logits`: a few fp32 chunks
+and [s, b] statistics, for logits made by a layer as in the model (autograd
+clones a gradient that shares a *leaf*'s storage into its `.grad`). Without
+it: plus one L-sized gradient per loss. Measured on CPU at [4, 512, 4096]
+(LM loss + self-distillation, forward + backward): the largest allocation
+went from one logits-sized fp32 tensor (32 MiB) to one chunk (0.5 MiB), at
+about the same speed.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 from ..parallel import shift_left
 
@@ -27,121 +73,250 @@ from ..parallel import shift_left
 # token `depth` ahead may live on another CP rank.
 Shift = Callable[[torch.Tensor, int, object], torch.Tensor]
 
-
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor):
-    """Next-token cross-entropy.
-
-    Args:
-        logits: [b, s, v] float.
-        labels: [b, s] int64 (the token each position predicts).
-        loss_mask: [b, s] float, 1 where the token counts.
-    Returns:
-        (sum of masked losses: scalar, number of counted tokens: scalar).
-    """
-    mask = loss_mask.float()
-    return fused_token_loss(logits, labels, mask, cross_entropy_chunk), mask.sum()
-
-
-# Vocabulary elements per chunk of the fused losses: a chunk's fp32
-# temporaries stay in cache, and the per-chunk Python cost stays small.
+# Vocabulary elements per chunk of the fused losses. CPU: a chunk's fp32
+# temporaries stay in cache. CUDA: 256 MiB per fp32 temporary, a few hundred
+# positions of a 160K vocabulary, so the per-chunk launch cost stays small.
 CHUNK_ELEMENTS = 1 << 17
+CUDA_CHUNK_ELEMENTS = 1 << 26
 
 
-def cross_entropy_chunk(logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor,
-                        grad: Optional[torch.Tensor]) -> torch.Tensor:
-    """Weighted cross-entropy of one chunk; writes its closed-form gradient into `grad`.
+def chunk_rows(x: torch.Tensor) -> int:
+    """Positions per chunk for position-major logits x [s, b, v]."""
+    budget = CUDA_CHUNK_ELEMENTS if x.is_cuda else CHUNK_ELEMENTS
+    return max(1, budget // max(1, x.shape[1] * x.shape[2]))
 
-    logits [c, b, v] float (any leading dims); labels [c, b] int64 (-100 is ignored, as in
-    F.cross_entropy); weight [c, b] float; grad [c, b, v] or None.
-    Returns sum_t weight_t * (logsumexp(logits_t) - logits_t[label_t]);
-    grad = weight_t * (softmax(logits_t) - onehot(label_t)).
+
+@dataclass(frozen=True)
+class VocabShard:
+    """This rank's slice [start, start + v_local) of a vocabulary split over `group` (None: all of it)."""
+
+    start: int = 0
+    group: Optional[dist.ProcessGroup] = None
+
+    @classmethod
+    def of(cls, local_vocab: int, group: Optional[dist.ProcessGroup]) -> "VocabShard":
+        if group is None or dist.get_world_size(group) == 1:
+            return cls()
+        return cls(dist.get_rank(group) * local_vocab, group)
+
+    def all_reduce(self, t: torch.Tensor, op) -> torch.Tensor:
+        if self.group is not None:
+            dist.all_reduce(t, op=op, group=self.group)
+        return t
+
+
+def _local_labels(labels: torch.Tensor, shard: VocabShard, v: int):
+    """(label index into this shard, 0 where outside it; whether the label is in this shard)."""
+    local = labels - shard.start
+    hit = (local >= 0) & (local < v)  # False for the ignored label -100
+    return local.where(hit, 0), hit
+
+
+# ---- per-chunk math: x [c, b, v_local] position-major chunks ------------------
+
+def cross_entropy_statistics(x: torch.Tensor, labels: torch.Tensor, shard: VocabShard):
+    """Per position: (lse - x[label], lse) with lse = log sum_v exp(x) over the whole vocabulary.
+
+    x [c, b, v_local] any float dtype (not modified); labels [c, b] int64 global ids
+    (-100 has no logit: its loss is just lse). Returns two [c, b] fp32 tensors.
     """
-    logits = logits.float()
-    log_p = torch.log_softmax(logits, dim=-1)
-    weight = weight * (labels != -100)
-    index = labels.clamp(min=0).unsqueeze(-1)
-    total = -(log_p.gather(-1, index).squeeze(-1) * weight).sum()
-    if grad is not None:
-        grad.copy_(torch.softmax(logits, dim=-1))
-        grad.scatter_add_(-1, index, torch.full(index.shape, -1.0, dtype=grad.dtype, device=grad.device))
-        grad.mul_(weight.unsqueeze(-1))
-    return total
+    x32 = x.float()
+    m = shard.all_reduce(x32.amax(-1), dist.ReduceOp.MAX)
+    local, hit = _local_labels(labels, shard, x.shape[-1])
+    picked = x32.gather(-1, local.unsqueeze(-1)).squeeze(-1).where(hit, 0.0)
+    sums = shard.all_reduce(torch.stack([picked, x32.sub(m.unsqueeze(-1)).exp_().sum(-1)]), dist.ReduceOp.SUM)
+    lse = m + sums[1].log()
+    return lse - sums[0], lse
+
+
+def _megatron_pieces(compiled: bool):
+    """megatron-core's fused cross-entropy pieces: the `jit_fuser` (torch.compile) versions, or
+    the functions they wrap (same code, unfused) where compiling costs more than it saves."""
+    from megatron.core.fusions import fused_cross_entropy as fused
+
+    fns = (fused.calculate_logits_max, fused.calculate_predicted_logits, fused.calculate_cross_entropy_loss)
+    return fns if compiled else tuple(getattr(f, "_torchdynamo_orig_callable", f) for f in fns)
+
+
+def megatron_cross_entropy_statistics(x: torch.Tensor, labels: torch.Tensor, shard: VocabShard,
+                                      compiled: Optional[bool] = None):
+    """`cross_entropy_statistics` through megatron-core's fused vocab-parallel cross-entropy pieces.
+
+    Same arguments and results. compiled: use the torch.compile'd pieces (default: on CUDA).
+    """
+    logits_max, predicted_logits, cross_entropy = _megatron_pieces(x.is_cuda if compiled is None else compiled)
+    # megatron subtracts the max and exponentiates in place: give it a contiguous fp32 copy
+    # of the chunk, never the logits (fp32 logits would be turned into the softmax).
+    x32 = torch.empty(x.shape, dtype=torch.float32, device=x.device).copy_(x)
+    x32, m = logits_max(x32)
+    shard.all_reduce(m, dist.ReduceOp.MAX)
+    v = x32.shape[-1]
+    _, _, sums, exp_logits = predicted_logits(x32, labels.contiguous(), m, shard.start, shard.start + v)
+    shard.all_reduce(sums, dist.ReduceOp.SUM)  # [predicted logit - max; sum exp], stacked on dim 0
+    _, loss = cross_entropy(exp_logits, sums)
+    return loss, m + sums[m.shape[0]:].log()
+
+
+def cross_entropy_gradient(x: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor,
+                           shard: VocabShard, out: torch.Tensor) -> None:
+    """out <- scale * (softmax(x) - onehot(label)), this shard's columns, in out's dtype.
+
+    x, out [c, b, v_local] (out may be x itself); labels [c, b]; lse, scale [c, b] fp32.
+    """
+    g = x.float().sub(lse.unsqueeze(-1)).exp_()
+    local, hit = _local_labels(labels, shard, x.shape[-1])
+    g.scatter_add_(-1, local.unsqueeze(-1), -hit.to(g.dtype).unsqueeze(-1))
+    out.copy_(g.mul_(scale.unsqueeze(-1)))
+
+
+def log_softmax_over_shards(x: torch.Tensor, shard: VocabShard) -> torch.Tensor:
+    """fp32 log-softmax over the last dim, whose entries may be split over `shard.group`."""
+    x32 = x.float()
+    if shard.group is None:
+        return torch.log_softmax(x32, dim=-1)
+    m = shard.all_reduce(x32.amax(-1, keepdim=True), dist.ReduceOp.MAX)
+    shifted = x32 - m
+    sum_exp = shard.all_reduce(shifted.exp().sum(-1, keepdim=True), dist.ReduceOp.SUM)
+    return shifted.sub_(sum_exp.log_())
 
 
 def distillation_kl_chunk(student: torch.Tensor, teacher: torch.Tensor, weight: torch.Tensor,
-                          grad: Optional[torch.Tensor]) -> torch.Tensor:
-    """Weighted KL(teacher || student) of one chunk; writes the student gradient into `grad`.
+                          out: Optional[torch.Tensor], shard: VocabShard) -> torch.Tensor:
+    """sum_t weight_t * KL(p_t || q_t) of one chunk (this shard's terms); out <- weight * (q - p).
 
-    student, teacher [c, b, v] float, any leading dims (the teacher carries no gradient);
-    weight [c, b] float; grad [c, b, v] or None. With p = softmax(teacher),
-    q = softmax(student): returns sum_t weight_t * sum_v p_t (log p_t - log q_t);
-    grad = weight_t * (q_t - p_t).
+    student, teacher [c, b, v_local] any float dtype; weight [c, b] fp32; out [c, b, v_local]
+    (may be `student` itself: it is written last) or None. p = softmax(teacher),
+    q = softmax(student). Returns an fp32 scalar, to be summed over the shards.
     """
-    # torch's softmax kernel is faster than exp() of the log-softmax and as accurate
-    student, teacher = student.float(), teacher.float()
-    log_q = torch.log_softmax(student, dim=-1)
-    log_p = torch.log_softmax(teacher, dim=-1)
-    p = torch.softmax(teacher, dim=-1)
-    if grad is not None:
-        grad.copy_(torch.softmax(student, dim=-1)).sub_(p).mul_(weight.unsqueeze(-1))
-    return (log_p.sub_(log_q).mul_(p).sum(-1) * weight).sum()
+    log_q = log_softmax_over_shards(student, shard)
+    log_p = log_softmax_over_shards(teacher, shard)
+    p = log_p.exp()
+    total = (log_p.sub_(log_q).mul_(p).sum(-1) * weight).sum()
+    if out is not None:
+        out.copy_(log_q.exp_().sub_(p).mul_(weight.unsqueeze(-1)))
+    return total
 
 
-class FusedTokenLoss(torch.autograd.Function):
-    """sum over positions of a per-position loss over the vocabulary, chunk by chunk.
+# ---- autograd: chunk loops over [b, s, v] logits --------------------------------
 
-    Every chunk's gradient is computed in the forward pass (closed form) and
-    written into one buffer shaped like `logits`; backward scales it by the
-    incoming scalar. So besides the inputs only that one full-vocabulary
-    tensor is ever allocated, and nothing is saved for an autograd graph.
-    """
+def _chunks(s: int, step: int):
+    return ((p0, min(p0 + step, s)) for p0 in range(0, s, step))
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """sum_t weight_t * CE(logits_t, label_t); the gradient is computed in backward (see module doc)."""
 
     @staticmethod
-    def forward(ctx, logits, target, weight, chunk_loss, offset: int, need_grad: bool):
-        s = logits.shape[1]
-        rows = s - offset  # positions that have a target row
-        grad = torch.empty_like(logits) if need_grad else None
-        if need_grad and rows < s:
-            grad[:, max(rows, 0):].zero_()
-        step = max(1, CHUNK_ELEMENTS // max(1, logits.shape[0] * logits.shape[-1]))
-        total = logits.new_zeros((), dtype=torch.float32)
-        # Chunks are taken position-major ([s, b, ...] views): megatron's [s, b, v]
-        # storage, which `composer_forward` returns as a [b, s, v] view, then gives
-        # contiguous chunks, where [:, p0:p1] would be strided and every softmax
-        # kernel would copy it first. The losses are per position: same sums.
-        logits_p, target_p, weight_p = logits.transpose(0, 1), target.transpose(0, 1), weight.transpose(0, 1)
-        grad_p = grad.transpose(0, 1) if need_grad else None
-        for p0 in range(0, max(rows, 0), step):
-            p1 = min(p0 + step, rows)
-            total += chunk_loss(logits_p[p0:p1], target_p[p0 + offset:p1 + offset], weight_p[p0:p1],
-                                grad_p[p0:p1] if need_grad else None)
-        ctx.grad = grad
+    def forward(ctx, logits, labels, weight, fusion: bool, overwrite: bool, group, need_grad: bool):
+        x, labels = logits.transpose(0, 1), labels.transpose(0, 1)  # position-major, see module doc
+        weight = weight.transpose(0, 1).float() * (labels != -100)
+        shard = VocabShard.of(x.shape[-1], group)
+        statistics = megatron_cross_entropy_statistics if fusion else cross_entropy_statistics
+        lse = torch.empty(x.shape[:2], dtype=torch.float32, device=x.device)
+        total = torch.zeros((), dtype=torch.float32, device=x.device)
+        for p0, p1 in _chunks(x.shape[0], chunk_rows(x)):
+            loss, lse[p0:p1] = statistics(x[p0:p1], labels[p0:p1], shard)
+            total += (loss * weight[p0:p1]).sum()
+        if need_grad:
+            ctx.save_for_backward(logits, labels, weight, lse)
+            ctx.overwrite, ctx.shard = overwrite, shard
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
+        logits, labels, weight, lse = ctx.saved_tensors
+        grad = logits if ctx.overwrite else torch.empty_like(logits)
+        x, g, scale = logits.transpose(0, 1), grad.transpose(0, 1), weight * grad_total
+        for p0, p1 in _chunks(x.shape[0], chunk_rows(x)):
+            cross_entropy_gradient(x[p0:p1], labels[p0:p1], lse[p0:p1], scale[p0:p1], ctx.shard, g[p0:p1])
+        return grad, None, None, None, None, None, None
+
+
+class ChunkedDistillation(torch.autograd.Function):
+    """sum_t weight_t * KL(softmax(teacher_{t+offset}) || softmax(student_t)); the student
+    gradient is computed in forward, backward scales it (see module doc)."""
+
+    @staticmethod
+    def forward(ctx, student, teacher, weight, offset: int, overwrite: bool, group, need_grad: bool):
+        x, t, weight = student.transpose(0, 1), teacher.transpose(0, 1), weight.transpose(0, 1).float()
+        shard = VocabShard.of(x.shape[-1], group)
+        rows = max(x.shape[0] - offset, 0)  # positions that have a teacher row
+        grad = (student if overwrite else torch.empty_like(student)) if need_grad else None
+        g = grad.transpose(0, 1) if need_grad else None
+        total = torch.zeros((), dtype=torch.float32, device=x.device)
+        for p0, p1 in _chunks(rows, chunk_rows(x)):
+            total += distillation_kl_chunk(x[p0:p1], t[p0 + offset:p1 + offset], weight[p0:p1],
+                                           g[p0:p1] if need_grad else None, shard)
+        if need_grad:
+            g[rows:].zero_()
+        ctx.grad = grad
+        return shard.all_reduce(total, dist.ReduceOp.SUM)
+
+    @staticmethod
+    def backward(ctx, grad_total):
         if ctx.grad is None:
-            raise RuntimeError("the fused token loss was already differentiated once; it keeps no graph "
-                               "to run backward again (retain_graph is not supported)")
+            raise RuntimeError("the fused self-distillation loss was already differentiated once; it keeps "
+                               "no graph to run backward again (retain_graph is not supported)")
         grad, ctx.grad = ctx.grad, None
-        return grad.mul_(grad_total), None, None, None, None, None
+        return grad.mul_(grad_total), None, None, None, None, None, None
 
 
-def fused_token_loss(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor, chunk_loss,
-                     offset: int = 0) -> torch.Tensor:
-    """sum_t chunk_loss(logits[:, t], target[:, t + offset], weight[:, t]) over positions t < s - offset.
+def _needs_grad(logits: torch.Tensor) -> bool:
+    return logits.requires_grad and torch.is_grad_enabled()
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, *,
+                      fusion: bool = False, overwrite_logits: bool = False,
+                      group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """sum_t weight_t * (logsumexp(logits_t) - logits_t[label_t]), chunked (module doc, 2).
 
     Args:
-        logits: [b, s, v] float, any strides (chunks follow the position dim,
-            so megatron's [s, b, v] storage is read block by block).
-        target: [b, s, ...] labels or teacher logits, read at position t + offset.
-        weight: [b, s] float; positions t >= s - offset have no target and add 0.
-        chunk_loss: `cross_entropy_chunk` or `distillation_kl_chunk`.
+        logits: [b, s, v_local] any float dtype and strides (megatron's [s, b, v] storage
+            seen as [b, s, v] is read block by block).
+        labels: [b, s] int64 vocabulary ids; -100 is ignored, as in F.cross_entropy.
+        weight: [b, s] float.
+        fusion: forward statistics through megatron-core's fused cross-entropy.
+        overwrite_logits: backward writes the gradient into `logits`' storage (their values
+            are gone afterwards); only for logits nothing else reads in backward. A second
+            backward (retain_graph) then raises autograd's in-place modification error.
+        group: process group the vocabulary is split over (None: logits hold all of it).
     Returns:
-        scalar fp32; its gradient flows to `logits` only.
+        fp32 scalar; its gradient flows to `logits` only.
     """
-    need_grad = logits.requires_grad and torch.is_grad_enabled()
-    return FusedTokenLoss.apply(logits, target, weight, chunk_loss, offset, need_grad)
+    return ChunkedCrossEntropy.apply(logits, labels, weight, fusion, overwrite_logits, group, _needs_grad(logits))
+
+
+def distillation_sum(student: torch.Tensor, teacher: torch.Tensor, weight: torch.Tensor, offset: int = 0, *,
+                     overwrite_logits: bool = False, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """sum_t weight_t * KL(softmax(teacher_{t+offset}) || softmax(student_t)) over t < s - offset.
+
+    Args:
+        student: [b, s, v_local] any float dtype and strides.
+        teacher: [b, s, v_local], read at position t + offset; gets no gradient.
+        weight: [b, s] float.
+        overwrite_logits: the student's gradient is written into its storage during this
+            call (its values are gone afterwards); only for logits nothing else reads.
+        group: as in `cross_entropy_sum`.
+    Returns:
+        fp32 scalar; its gradient flows to `student` only.
+    """
+    return ChunkedDistillation.apply(student, teacher.detach(), weight, offset, overwrite_logits, group,
+                                     _needs_grad(student))
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor, **kernel):
+    """Next-token cross-entropy.
+
+    Args:
+        logits: [b, s, v] float, any dtype.
+        labels: [b, s] int64 (the token each position predicts).
+        loss_mask: [b, s] float, 1 where the token counts.
+        **kernel: fusion, overwrite_logits, group (see `cross_entropy_sum`).
+    Returns:
+        (sum of masked losses: scalar, number of counted tokens: scalar).
+    """
+    mask = loss_mask.float()
+    return cross_entropy_sum(logits, labels, mask, **kernel), mask.sum()
 
 
 def mtp_valid_mask(
@@ -172,17 +347,17 @@ def mtp_self_distillation_loss(
     depth: int,
     segment_ids: Optional[torch.Tensor] = None,
     shift: Shift = shift_left,
+    **kernel,
 ):
     """MTP self-distillation: the MTP head at position t learns the main head's
     distribution for the same target token (the main head at t + depth), with
     the teacher detached. Per position: KL(teacher || student).
 
-    Fused and chunked (`fused_token_loss`): the teacher's log-softmax is taken
-    without a graph and the student's gradient is (softmax(student) - p_teacher)
-    * valid. With the CP=1 shift the teacher rows are read in place, main
-    position t + depth for student position t; any other shift (the zigzag
-    `cp_shift_left` under context parallelism, which brings the boundary
-    tokens over from the neighbouring rank) builds the shifted teacher first.
+    Chunked (`distillation_sum`). With the CP=1 shift the teacher rows are read
+    in place, main position t + depth for student position t; any other shift
+    (the zigzag `cp_shift_left` under context parallelism, which brings the
+    boundary tokens over from the neighbouring rank) builds the shifted
+    teacher first: one logits-sized copy (module doc, 4).
 
     Args:
         mtp_logits: [b, s, v] student logits of MTP depth `depth`.
@@ -191,6 +366,7 @@ def mtp_self_distillation_loss(
         depth: 1-based MTP depth.
         segment_ids: optional [b, s] document ids for packed samples.
         shift: see `Shift`.
+        **kernel: overwrite_logits (the student's), group (see `distillation_sum`).
     Returns:
         (sum of per-position KL, number of positions).
     """
@@ -198,7 +374,7 @@ def mtp_self_distillation_loss(
     teacher, offset = main_logits.detach(), depth
     if shift is not shift_left:
         teacher, offset = shift(teacher, depth, 0.0), 0
-    return fused_token_loss(mtp_logits, teacher, valid, distillation_kl_chunk, offset), valid.sum()
+    return distillation_sum(mtp_logits, teacher, valid, offset, **kernel), valid.sum()
 
 
 def mtp_cross_entropy_loss(
@@ -208,8 +384,10 @@ def mtp_cross_entropy_loss(
     depth: int,
     segment_ids: Optional[torch.Tensor] = None,
     shift: Shift = shift_left,
+    **kernel,
 ):
-    """DeepSeek-V3's MTP loss: cross-entropy on the token `depth` further ahead."""
+    """DeepSeek-V3's MTP loss: cross-entropy on the token `depth` further ahead.
+    **kernel as in `cross_entropy_sum`."""
     valid = mtp_valid_mask(loss_mask, depth, segment_ids, shift)
     shifted = shift(labels, depth, 0)
-    return fused_token_loss(mtp_logits, shifted, valid, cross_entropy_chunk), valid.sum()
+    return cross_entropy_sum(mtp_logits, shifted, valid, **kernel), valid.sum()
