@@ -72,6 +72,7 @@ from ..config.training import RecomputeConfig, TransformerImplConfig
 from ..moe import grouped_experts_spec, quantized_dispatch_spec, quantized_experts_spec
 from ..parallel.layout import ParallelLayout
 from .norms import SequenceParallelRMSNorm
+from .recompute import recomputed_mtp_spec
 from .te_spec import check_te_choices, require_transformer_engine, te_layer_spec, te_quant_recipe
 
 
@@ -98,10 +99,14 @@ def _have_triton() -> bool:
     return bool(HAVE_TRITON)
 
 
-def _recompute_kwargs(recompute: RecomputeConfig, num_layers: int) -> dict:
+def _recompute_kwargs(recompute: RecomputeConfig, num_layers: int, mtp: bool) -> dict:
     recompute.check_layers(num_layers)
     if recompute.recompute_granularity is None:
         return {}
+    if mtp and recompute.recompute_method == "uniform" and recompute.recompute_num_layers != 1:
+        raise ValueError(f"--recompute-num-layers {recompute.recompute_num_layers} with MTP: megatron-core "
+                         f"recomputes MTP layers one at a time, so --recompute-method uniform needs "
+                         f"--recompute-num-layers 1 (or use block)")
     modules = recompute.recompute_modules
     return dict(recompute_granularity=recompute.recompute_granularity,
                 recompute_method=recompute.recompute_method,
@@ -182,7 +187,7 @@ def transformer_config(
                        dispatch_precision=moe_dispatch_precision),
         transformer_impl=impl.transformer_impl,
         **_precision_kwargs(impl, recompute, moe_expert_precision),
-        **_recompute_kwargs(recompute, cfg.num_layers),
+        **_recompute_kwargs(recompute, cfg.num_layers, bool(cfg.mtp_num_layers)),
         mtp_num_layers=cfg.mtp_num_layers or None,
         mtp_loss_scaling_factor=mtp_loss_scaling_factor,
         tensor_model_parallel_size=layout.tp,
@@ -263,9 +268,15 @@ def composer_block_spec(tconfig: MLATransformerConfig, moe_expert_precision: str
 
 
 def mtp_block_spec(tconfig: MLATransformerConfig, block):
-    """megatron-core's MTP block spec (DeepSeek-V3's) around the last decoder layer's spec."""
+    """megatron-core's MTP block spec (DeepSeek-V3's) around the last decoder layer's spec
+    (`models.recompute.RecomputedMTPLayer` layers under full recompute)."""
     te = tconfig.transformer_impl == "transformer_engine"
-    return get_gpt_mtp_block_spec(tconfig, block, use_transformer_engine=te)
+    spec = get_gpt_mtp_block_spec(tconfig, block, use_transformer_engine=te)
+    if tconfig.recompute_granularity == "full":
+        # Copied first: with one MTP layer the list holds megatron-core's shared spec object.
+        spec.layer_specs = [dataclasses.replace(layer) for layer in spec.layer_specs]
+        spec = recomputed_mtp_spec(spec)
+    return spec
 
 
 def _sequence_parallel_norms(spec):

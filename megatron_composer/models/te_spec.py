@@ -78,7 +78,13 @@ def check_te_choices(impl, recompute, expert_precision: str) -> None:
             f"experts; use one (--moe-expert-precision bf16 with the TE recipe, or no TE recipe with our exact "
             f"{expert_precision} emulation)")
     te = impl.transformer_impl == "transformer_engine"
-    if "moe_act" in (recompute.recompute_modules or ()) and not (te and expert_precision == "bf16"):
+    modules = recompute.recompute_modules or ()
+    if "layernorm" in modules and not te:
+        # megatron-core 0.16.1 builds the norm checkpoint as CheckpointWithoutOutput(fp8=False),
+        # which it reads as "fp8 on" and then asks Transformer Engine for the FP8 state.
+        raise ValueError("--recompute-modules layernorm needs --transformer-impl transformer_engine "
+                         "(megatron-core's norm recompute goes through TE); drop it with local")
+    if "moe_act" in modules and not (te and expert_precision == "bf16"):
         raise ValueError(
             "--recompute-modules moe_act needs TE's grouped experts (megatron-core's moe_grouped_gemm): "
             "--transformer-impl transformer_engine with --moe-expert-precision bf16; or recompute moe / mlp")
