@@ -26,11 +26,13 @@ CP = 1, TEGroupedMLP for unquantized experts) and hands it the same CP
 attention and quantized experts; a TE FP8/FP4 recipe goes through
 megatron-core's per-module quantization config (routed experts only by default).
 
-Tensor parallelism runs with sequence parallelism in both implementations:
-megatron-core's MoE layer refuses TP without it, and its finalize_model_grads
-sums MLA's latent-norm gradients over TP, which is right only for sequence
-shards. The local spec's torch norms become `models.norms.SequenceParallelRMSNorm`
-at TP > 1 (TE's norms handle it themselves); at TP = 1 the spec is unchanged.
+Tensor parallelism runs with sequence parallelism in both implementations
+(`models.tensor_parallel` says why). At TP > 1 the local spec's torch norms
+and MLA attention become `SequenceParallelRMSNorm` and
+`TensorParallelMLASelfAttention` from there (TE's spec needs neither); at
+TP = 1 the spec is unchanged. With MoE and EP = 1, TP > 1 needs ETP = TP
+(experts replicated over TP ranks that saw different tokens would be reduced
+over DP only).
 
 Fusions (`cuda_fusions`), all off on CPU, where the plain paths are exact:
 
@@ -71,7 +73,7 @@ from ..config.model import ModelConfig
 from ..config.training import RecomputeConfig, TransformerImplConfig
 from ..moe import grouped_experts_spec, quantized_dispatch_spec, quantized_experts_spec
 from ..parallel.layout import ParallelLayout
-from .norms import SequenceParallelRMSNorm
+from .tensor_parallel import SequenceParallelRMSNorm, TensorParallelMLASelfAttention
 from .recompute import recomputed_mtp_spec
 from .te_spec import check_te_choices, require_transformer_engine, te_layer_spec, te_quant_recipe
 
@@ -147,10 +149,15 @@ def transformer_config(
     cfg.validate()
     layout = layout or ParallelLayout(world_size=1)
     te = impl.transformer_impl == "transformer_engine"
+    moe = cfg.num_moe_layers > 0
     if te:
         require_transformer_engine()
+    if moe and layout.tp > 1 and layout.ep == 1 and layout.etp != layout.tp:
+        # megatron-core reduces EP=1 experts over DP only, but each TP rank fed its
+        # replicas its own sequence shard: their gradients would miss the other shards'.
+        raise ValueError(f"--tensor-model-parallel-size {layout.tp} with MoE and EP=1 needs "
+                         f"--expert-tensor-parallel-size {layout.tp} (got {layout.etp}), or EP > 1")
     yarn = cfg.yarn
-    moe = cfg.num_moe_layers > 0
     kwargs = dict(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
@@ -279,20 +286,25 @@ def mtp_block_spec(tconfig: MLATransformerConfig, block):
     return spec
 
 
-def _sequence_parallel_norms(spec):
-    """Replace megatron-core's local torch norm (which refuses sequence parallelism) in a
-    (copied) spec tree by `SequenceParallelRMSNorm`; see the module docstring."""
+_SEQUENCE_PARALLEL_LOCAL = {WrappedTorchNorm: SequenceParallelRMSNorm,
+                            MLASelfAttention: TensorParallelMLASelfAttention}
+
+
+def _sequence_parallel_local(spec):
+    """Swap the local spec's pieces that do not fit sequence parallelism (its torch norm,
+    MLA's column-parallel KV down-projection) in a (copied) spec tree for
+    `models.tensor_parallel`'s, in place."""
     if isinstance(spec, (list, tuple)):
-        return type(spec)(_sequence_parallel_norms(s) for s in spec)
-    if spec is WrappedTorchNorm:
-        return SequenceParallelRMSNorm
+        return type(spec)(_sequence_parallel_local(s) for s in spec)
+    if isinstance(spec, type):
+        return _SEQUENCE_PARALLEL_LOCAL.get(spec, spec)
     if isinstance(spec, ModuleSpec):
-        spec.module = _sequence_parallel_norms(spec.module)
-        spec.submodules = _sequence_parallel_norms(spec.submodules)
+        spec.module = _sequence_parallel_local(spec.module)
+        spec.submodules = _sequence_parallel_local(spec.submodules)
         return spec
-    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+    if dataclasses.is_dataclass(spec):
         for f in dataclasses.fields(spec):
-            setattr(spec, f.name, _sequence_parallel_norms(getattr(spec, f.name)))
+            setattr(spec, f.name, _sequence_parallel_local(getattr(spec, f.name)))
     return spec
 
 
@@ -340,8 +352,8 @@ def build_model(
     block = composer_block_spec(tconfig, moe_expert_precision, moe_dispatch_precision, pg_collection,
                                 grouped_experts)
     mtp = mtp_block_spec(tconfig, block) if cfg.mtp_num_layers else None
-    if tconfig.sequence_parallel:
-        block, mtp = _sequence_parallel_norms(block), _sequence_parallel_norms(mtp)
+    if tconfig.sequence_parallel and tconfig.transformer_impl == "local":
+        block, mtp = _sequence_parallel_local(block), _sequence_parallel_local(mtp)
     extra = {"pg_collection": pg_collection} if pg_collection is not None else {}
     model = GPTModel(
         config=tconfig,
