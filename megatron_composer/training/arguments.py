@@ -234,6 +234,10 @@ def parse_args(argv: Optional[list[str]] = None):
             check_divisible([args.seq_length], args.context_parallel_size, packed=False)
         except ValueError as exc:
             raise ValueError(f"--seq-length: {exc}") from None
+    if args.optimizer == "muon" and args.tensor_model_parallel_size > 1:
+        raise ValueError(f"--optimizer muon orthogonalizes whole matrices, which --tensor-model-parallel-size "
+                         f"{args.tensor_model_parallel_size} shards; use --optimizer adam with TP, or TP 1 "
+                         f"(the recipe scales with CP x EP x FSDP)")
     cfg = TrainingConfig.from_args(args)  # validates the values
     model_cfg = model_config_from_args(args)
     check_low_precision(args, model_cfg)
@@ -256,6 +260,8 @@ def check_transformer_impl(cfg: TrainingConfig, model_cfg: ModelConfig) -> None:
     check_te_choices(impl, cfg.recompute, cfg.moe_precision.moe_expert_precision)
     if impl.te_recipe and torch.cuda.is_available():
         check_recipe(impl.te_recipe, torch.cuda.get_device_capability(), torch.cuda.get_device_name())
+
+
 def check_low_precision(args, cfg: ModelConfig) -> None:
     """Raise a ValueError naming the size if the model cannot run the chosen MoE precisions."""
     if not cfg.num_experts:
