@@ -17,6 +17,8 @@ from megatron_composer.models.te_spec import have_transformer_engine
 from megatron_composer.platform.recipes import RECIPES, available_recipes, check_recipe
 
 TINY = get_preset("tiny")
+# TE's block-scaled recipes tile the quantized (expert) GEMMs in blocks of up to 128.
+QUANT_TINY = dataclasses.replace(TINY, moe_ffn_hidden_size=128)
 
 
 # ---------------------------------------------------------------- recipes table
@@ -232,7 +234,8 @@ def _te_trainer(fp8_recipe=None, fp4_recipe=None, expert_precision="bf16", steps
                                  fp8_recipe=fp8_recipe, fp4_format="e2m1" if fp4_recipe else None,
                                  fp4_recipe=fp4_recipe)
     # Quantized grouped GEMMs want 16/32-aligned tokens per expert; megatron-core pads them.
-    tr = make_trainer(RandomTokenDataset(16, 128, TINY.vocab_size), bf16=True, seq_length=128, transformer=impl,
+    tr = make_trainer(RandomTokenDataset(16, 128, TINY.vocab_size), model_cfg=QUANT_TINY, bf16=True,
+                      seq_length=128, transformer=impl,
                       moe_precision=MoEPrecisionConfig(moe_expert_precision=expert_precision))
     results = [tr.step() for _ in range(steps)]
     return tr, results
@@ -297,7 +300,8 @@ def test_te_and_local_give_close_losses():
     te = make_trainer(data, model_cfg=dense, bf16=True, seq_length=128,
                       transformer=TransformerImplConfig("transformer_engine"))
     state = {k: v for k, v in local.model.gpt.state_dict().items() if "_extra_state" not in k}
-    te.model.gpt.load_state_dict(state, strict=False)
+    missing, unexpected = te.model.gpt.load_state_dict(state, strict=False)
+    assert not unexpected and all(k.endswith("_extra_state") for k in missing), (missing, unexpected)
     a, b = local.step().lm_loss, te.step().lm_loss
     assert abs(a - b) < 0.02 * abs(a), (a, b)
 
@@ -333,16 +337,22 @@ def test_te_with_our_nvfp4_experts_steps():
 
 
 @pytest.mark.gpu
-def test_cuda_fusions_keep_the_local_model_close():
-    """Local spec on CUDA with megatron-core's non-TE fusions vs all fusions off, fp32."""
+@pytest.mark.parametrize("yarn", [False, True], ids=["rope", "yarn"])
+def test_cuda_fusions_keep_the_local_model_close(yarn):
+    """Local spec on CUDA with megatron-core's non-TE fusions (yarn: the Triton MLA RoPE)
+    vs all fusions off, fp32."""
+    from megatron_composer.config.model import YarnConfig
     from megatron_composer.models import build_model, composer_forward
     from megatron_composer.models.builder import cuda_fusions
 
+    cfg = dataclasses.replace(TINY, yarn=YarnConfig(factor=4.0, original_max_position_embeddings=1024,
+                                                    mscale=1.0, mscale_all_dim=1.0)) if yarn else TINY
     outs = []
     for on in (False, True):
         layout = _init_parallel()
-        fusions = cuda_fusions("local", 1, "yarn" if TINY.yarn else "rope", True, on_cuda=on)
-        model = build_model(TINY, layout, seq_length=64, **fusions).cuda()
+        fusions = cuda_fusions("local", 1, "yarn" if yarn else "rope", True, on_cuda=on)
+        assert fusions["apply_rope_fusion"] == (on and yarn)
+        model = build_model(cfg, layout, seq_length=64, **fusions).cuda()
         assert model.config.bias_dropout_fusion == on
         tokens = torch.randint(0, TINY.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0)).cuda()
         logits, _ = composer_forward(model, tokens, torch.arange(64, device="cuda").expand(2, 64))

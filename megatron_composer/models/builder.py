@@ -39,7 +39,7 @@ Fusions (`cuda_fusions`), all off on CPU, where the plain paths are exact:
     fusion                        on CUDA            needs
     bias_activation_fusion        yes (*)            nothing: megatron's jit-fused SwiGLU
     bias_dropout_fusion           yes                nothing: jit-fused bias-dropout-add
-    apply_rope_fusion             yes at CP = 1      yarn: megatron's Triton MLA RoPE; rope: TE
+    apply_rope_fusion             yes at CP = 1 (**) yarn: megatron's Triton MLA RoPE; plain rope: TE
     moe_permute_fusion            with TE            TE's fused permute (bf16 dispatch only)
     masked_softmax_fusion         no                 Apex; read only by megatron's DotProductAttention
     persist_layer_norm            no                 Apex's FusedLayerNorm; torch and TE norms ignore it
@@ -48,6 +48,9 @@ Fusions (`cuda_fusions`), all off on CPU, where the plain paths are exact:
 
 (*) not with our grouped bf16 experts (`GroupedSequentialMLP` runs megatron's
 unfused activation and refuses the flag), i.e. local impl + MoE + bf16 experts.
+(**) under CP our attention applies RoPE itself, through megatron-core's
+unfused path. moe_router_fusion (TE's fused top-k) stays off: the recipe's
+group-limited routing with expert bias is checked against the unfused router.
 """
 from __future__ import annotations
 
