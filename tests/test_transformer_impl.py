@@ -89,6 +89,7 @@ def test_te_flags_map_onto_the_config():
     (["--transformer-impl", "local", "--recompute-granularity", "selective", "--recompute-modules", "layernorm"],
      r"layernorm needs --transformer-impl transformer_engine"),
     (["--optimizer", "muon", "--tensor-model-parallel-size", "2"], r"--optimizer muon .* use --optimizer adam"),
+    (["--tensor-model-parallel-size", "2"], r"with MoE and EP=1 needs --expert-tensor-parallel-size 2 \(got 1\)"),
 ])
 def test_bad_combinations_name_their_flags(flags, match):
     with pytest.raises(ValueError, match=match):

@@ -98,6 +98,15 @@ def cuda_fusions(transformer_impl: str, context_parallel: int, rope_type: str, g
     )
 
 
+def check_expert_tensor_parallel(moe: bool, tp: int, ep: int, etp: int) -> None:
+    """Raise if TP > 1 would leave EP = 1 experts replicated over TP ranks: megatron-core
+    reduces such experts over DP only, but each TP rank fed its replicas its own
+    sequence shard, so their gradients would miss the other shards'."""
+    if moe and tp > 1 and ep == 1 and etp != tp:
+        raise ValueError(f"--tensor-model-parallel-size {tp} with MoE and EP=1 needs "
+                         f"--expert-tensor-parallel-size {tp} (got {etp}), or EP > 1")
+
+
 def _have_triton() -> bool:
     from megatron.core.fusions.fused_mla_yarn_rope_apply import HAVE_TRITON
 
@@ -155,11 +164,7 @@ def transformer_config(
     moe = cfg.num_moe_layers > 0
     if te:
         require_transformer_engine()
-    if moe and layout.tp > 1 and layout.ep == 1 and layout.etp != layout.tp:
-        # megatron-core reduces EP=1 experts over DP only, but each TP rank fed its
-        # replicas its own sequence shard: their gradients would miss the other shards'.
-        raise ValueError(f"--tensor-model-parallel-size {layout.tp} with MoE and EP=1 needs "
-                         f"--expert-tensor-parallel-size {layout.tp} (got {layout.etp}), or EP > 1")
+    check_expert_tensor_parallel(moe, layout.tp, layout.ep, layout.etp)
     yarn = cfg.yarn
     kwargs = dict(
         num_layers=cfg.num_layers,

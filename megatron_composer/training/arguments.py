@@ -240,6 +240,10 @@ def parse_args(argv: Optional[list[str]] = None):
                          f"(the recipe scales with CP x EP x FSDP)")
     cfg = TrainingConfig.from_args(args)  # validates the values
     model_cfg = model_config_from_args(args)
+    from ..models.builder import check_expert_tensor_parallel
+
+    check_expert_tensor_parallel(model_cfg.num_moe_layers > 0, args.tensor_model_parallel_size,
+                                 args.expert_model_parallel_size, args.expert_tensor_parallel_size)
     check_low_precision(args, model_cfg)
     check_transformer_impl(cfg, model_cfg)
     return args
