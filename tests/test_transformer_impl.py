@@ -194,6 +194,50 @@ def test_local_spec_is_unchanged_at_tp1():
             assert spec.submodules.mlp.submodules.experts.module is GroupedSequentialMLP
 
 
+def test_te_layer_spec_unfuses_norms_and_plugs_in_our_experts():
+    """On a TE-shaped spec (megatron-core's fused layer-norm linears, grouped experts):
+    separate TENorms ahead of TE linears, local-linear SequentialMLP for our quantized experts."""
+    from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TENorm
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from megatron_composer.models.builder import composer_block_spec, transformer_config
+    from megatron_composer.models.te_spec import te_layer_spec
+
+    class FusedNormLinear:  # stands in for TELayerNormColumnParallelLinear
+        pass
+
+    _init_parallel()
+    for precision in ("bf16", "nvfp4"):
+        block = composer_block_spec(transformer_config(TINY), grouped_experts=False)
+        dense, moe = block.layer_specs[0].submodules, block.layer_specs[1].submodules
+        for layer in (dense, moe):
+            attention = layer.self_attention.submodules
+            attention.linear_q_up_proj = attention.linear_kv_up_proj = FusedNormLinear
+            attention.q_layernorm = attention.kv_layernorm = IdentityOp
+        dense.pre_mlp_layernorm, dense.mlp.submodules.linear_fc1 = IdentityOp, FusedNormLinear
+        grouped = ModuleSpec(module=FusedNormLinear)  # stands in for TEGroupedMLP
+        moe.mlp.submodules.experts = grouped
+        te_layer_spec(block.layer_specs[0], precision)
+        te_layer_spec(block.layer_specs[1], precision)
+        for layer in (dense, moe):
+            attention = layer.self_attention.submodules
+            assert attention.linear_q_up_proj is TEColumnParallelLinear and attention.q_layernorm is TENorm
+            assert attention.linear_kv_up_proj is TEColumnParallelLinear and attention.kv_layernorm is TENorm
+        assert dense.pre_mlp_layernorm is TENorm and dense.mlp.submodules.linear_fc1 is TEColumnParallelLinear
+        assert moe.mlp.module is MoELayer
+        experts = moe.mlp.submodules.experts
+        if precision == "bf16":
+            assert experts is grouped
+        else:
+            assert experts.module is SequentialMLP
+            assert experts.submodules.linear_fc1 is ColumnParallelLinear
+            assert experts.submodules.linear_fc2 is RowParallelLinear
+
+
 def test_cuda_fusions_table():
     from megatron_composer.models.builder import cuda_fusions
 
