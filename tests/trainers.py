@@ -3,13 +3,13 @@
     tr = make_trainer(dataset, ep=2, optimizer="muon", micro_batch_size=1)
 
 Keyword arguments are `TrainingConfig` fields, or `OptimizerConfig` fields
-(`optimizer`, `lr`, ...), or the parallel sizes `tp`, `cp`, `ep`; the world
+(`optimizer`, `lr`, ...), or the parallel sizes `tp`, `cp`, `ep`, `etp`; the world
 size is torch.distributed's (a single process when not initialized).
 """
 from __future__ import annotations
 
 
-def make_trainer(dataset, *, model_cfg=None, tp=1, cp=1, ep=1, valid=None, batch_transform=None, **fields):
+def make_trainer(dataset, *, model_cfg=None, tp=1, cp=1, ep=1, etp=1, valid=None, batch_transform=None, **fields):
     import dataclasses
 
     import torch.distributed as dist
@@ -28,6 +28,6 @@ def make_trainer(dataset, *, model_cfg=None, tp=1, cp=1, ep=1, valid=None, batch
     defaults = {"seq_length": 64, "micro_batch_size": 2, "global_batch_size": 4}
     cfg = TrainingConfig(**{**defaults, **fields}, optimizer=OptimizerConfig(**optimizer),
                          checkpoint=CheckpointConfig(**checkpoint))
-    layout = ParallelLayout(world_size=dist.get_world_size(), tp=tp, cp=cp, ep=ep,
+    layout = ParallelLayout(world_size=dist.get_world_size(), tp=tp, cp=cp, ep=ep, etp=etp,
                             num_experts=model_cfg.num_experts or None)
     return Trainer(model_cfg, layout, TrainingData(dataset, valid), cfg, batch_transform=batch_transform)

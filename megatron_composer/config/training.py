@@ -96,6 +96,122 @@ class MoEPrecisionConfig:
         return _from_namespace(cls, args)
 
 
+TRANSFORMER_IMPLS = ("transformer_engine", "local")
+FP8_RECIPES = ("tensorwise", "blockwise", "mxfp8")
+FP4_RECIPES = ("nvfp4",)
+TE_PRECISION_SCOPES = ("experts", "all")
+
+
+@dataclass(frozen=True)
+class TransformerImplConfig:
+    """Which modules the layers are built from, and Transformer Engine's low-precision recipe.
+
+    `local`: megatron-core's own modules (any device); `transformer_engine`:
+    TE linears, norms and attention (CUDA). A TE recipe (`--fp8-format` +
+    `--fp8-recipe`, or `--fp4-format` + `--fp4-recipe`, Megatron-LM's flags)
+    quantizes the routed experts' GEMMs only (`te_precision_scope` "experts")
+    or every TE linear ("all"); Megatron-LM's `--te-precision-config-file`
+    (a YAML of megatron-core quantization matchers) replaces either."""
+
+    transformer_impl: str = "local"  # the command line's default: transformer_engine when TE imports
+    fp8_format: Optional[str] = None  # "e4m3"
+    fp8_recipe: Optional[str] = None  # FP8_RECIPES
+    fp4_format: Optional[str] = None  # "e2m1"
+    fp4_recipe: Optional[str] = None  # FP4_RECIPES
+    te_precision_scope: str = "experts"
+    te_precision_config_file: Optional[str] = None
+
+    def __post_init__(self):
+        if self.transformer_impl not in TRANSFORMER_IMPLS:
+            raise ValueError(f"--transformer-impl {self.transformer_impl!r}; use one of {', '.join(TRANSFORMER_IMPLS)}")
+        if self.te_precision_scope not in TE_PRECISION_SCOPES:
+            raise ValueError(f"--te-precision-scope {self.te_precision_scope!r}; use experts or all")
+        for kind, fmt, recipe, formats, recipes in (
+                ("fp8", self.fp8_format, self.fp8_recipe, ("e4m3",), FP8_RECIPES),
+                ("fp4", self.fp4_format, self.fp4_recipe, ("e2m1",), FP4_RECIPES)):
+            if fmt is not None and fmt not in formats:
+                raise ValueError(f"--{kind}-format {fmt!r}; use {', '.join(formats)}")
+            if recipe is not None and recipe not in recipes:
+                raise ValueError(f"--{kind}-recipe {recipe!r}; use one of {', '.join(recipes)}")
+            if (fmt is None) != (recipe is None):
+                raise ValueError(f"--{kind}-format and --{kind}-recipe go together, got format {fmt} and "
+                                 f"recipe {recipe}; e.g. --{kind}-format {formats[0]} --{kind}-recipe {recipes[0]}")
+        if self.fp8_format and self.fp4_format:
+            raise ValueError(f"--fp8-format {self.fp8_format} and --fp4-format {self.fp4_format} are exclusive; "
+                             f"choose one recipe")
+        if self.transformer_impl == "local" and (self.te_recipe or self.te_precision_config_file):
+            flag = (f"--fp8-recipe {self.fp8_recipe}" if self.fp8_recipe else f"--fp4-recipe {self.fp4_recipe}"
+                    if self.fp4_recipe else "--te-precision-config-file")
+            raise ValueError(f"{flag} runs through Transformer Engine; add --transformer-impl transformer_engine, "
+                             f"or use --moe-expert-precision nvfp4/mxfp8 (our exact emulation) with local")
+
+    @property
+    def te_recipe(self) -> Optional[str]:
+        """The recipe's name in `platform.recipes` ("fp8-blockwise", ...), None without one."""
+        if self.fp8_recipe:
+            return f"fp8-{self.fp8_recipe}"
+        return f"fp4-{self.fp4_recipe}" if self.fp4_recipe else None
+
+    @classmethod
+    def from_args(cls, args) -> "TransformerImplConfig":
+        return _from_namespace(cls, args)
+
+
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
+
+
+@dataclass(frozen=True)
+class RecomputeConfig:
+    """Activation recompute, Megatron-LM's flags and meanings (megatron-core does the work).
+
+    `full` recomputes whole layers: `uniform` in chunks of `recompute_num_layers`
+    layers, `block` the first `recompute_num_layers` layers. `selective`
+    recomputes the `recompute_modules` inside each layer (default core_attn)."""
+
+    recompute_granularity: Optional[str] = None  # "full" | "selective"
+    recompute_method: Optional[str] = None  # "uniform" | "block" (full only)
+    recompute_num_layers: Optional[int] = None  # full only
+    recompute_modules: Optional[tuple] = None  # selective only; default ("core_attn",)
+
+    def __post_init__(self):
+        g, method, n, modules = (self.recompute_granularity, self.recompute_method, self.recompute_num_layers,
+                                 self.recompute_modules)
+        if g not in (None, "full", "selective"):
+            raise ValueError(f"--recompute-granularity {g!r}; use full or selective")
+        if method not in (None, "uniform", "block"):
+            raise ValueError(f"--recompute-method {method!r}; use uniform or block")
+        if g == "full" and (method is None or n is None):
+            raise ValueError(f"--recompute-granularity full needs --recompute-method uniform|block and "
+                             f"--recompute-num-layers N, got method {method} and num layers {n}")
+        if g != "full" and (method is not None or n is not None):
+            raise ValueError(f"--recompute-method {method} / --recompute-num-layers {n} apply to "
+                             f"--recompute-granularity full only, got {g}; drop them or use full")
+        if n is not None and n < 1:
+            raise ValueError(f"--recompute-num-layers must be >= 1, got {n}")
+        if modules is not None:
+            if g != "selective":
+                raise ValueError(f"--recompute-modules {' '.join(modules)} needs --recompute-granularity "
+                                 f"selective, got {g}")
+            bad = [m for m in modules if m not in RECOMPUTE_MODULES]
+            if bad or not modules:
+                raise ValueError(f"--recompute-modules {' '.join(bad) or '(empty)'}: use some of "
+                                 f"{', '.join(RECOMPUTE_MODULES)}")
+
+    def check_layers(self, num_layers: int) -> None:
+        """Raise if `recompute_num_layers` does not fit a model of `num_layers` layers."""
+        n = self.recompute_num_layers
+        if n is not None and n > num_layers:
+            raise ValueError(f"--recompute-num-layers {n} is more than the model's {num_layers} layers; "
+                             f"use 1..{num_layers}")
+
+    @classmethod
+    def from_args(cls, args) -> "RecomputeConfig":
+        values = _from_namespace(cls, args)
+        if values.recompute_modules is not None:  # argparse gives a list; keep the config hashable
+            values = dataclasses.replace(values, recompute_modules=tuple(values.recompute_modules))
+        return values
+
+
 @dataclass(frozen=True)
 class TrainingConfig:
     """One run of the shared training loop (CPT, long-context CPT, SFT; RL reuses it)."""
@@ -128,6 +244,8 @@ class TrainingConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     moe_precision: MoEPrecisionConfig = field(default_factory=MoEPrecisionConfig)
+    transformer: TransformerImplConfig = field(default_factory=TransformerImplConfig)
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
 
     def __post_init__(self):
         for name in ("seq_length", "micro_batch_size", "train_iters", "log_interval", "eval_iters"):
@@ -150,4 +268,6 @@ class TrainingConfig:
             optimizer=OptimizerConfig.from_args(args),
             checkpoint=CheckpointConfig.from_args(args),
             moe_precision=MoEPrecisionConfig.from_args(args),
+            transformer=TransformerImplConfig.from_args(args),
+            recompute=RecomputeConfig.from_args(args),
         )

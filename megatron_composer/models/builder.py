@@ -19,6 +19,38 @@ own submodules where the recipe needs them; no megatron-core class is forked:
   experts (megatron's SequentialMLP, expert GEMMs through `quantized_linear`);
   with `moe_dispatch_precision` mxfp8, `moe.MXFP8DispatchMoELayer` (alltoall
   dispatch payload in MXFP8, combine in BF16).
+
+`transformer_impl` "transformer_engine" starts from megatron-core's TE spec
+instead (`models.te_spec`: TE linears and norms, TEDotProductAttention at
+CP = 1, TEGroupedMLP for unquantized experts) and hands it the same CP
+attention and quantized experts; a TE FP8/FP4 recipe goes through
+megatron-core's per-module quantization config (routed experts only by default).
+
+Tensor parallelism runs with sequence parallelism in both implementations
+(`models.tensor_parallel` says why). At TP > 1 the local spec's torch norms
+and MLA attention become `SequenceParallelRMSNorm` and
+`TensorParallelMLASelfAttention` from there (TE's spec needs neither); at
+TP = 1 the spec is unchanged. With MoE and EP = 1, TP > 1 needs ETP = TP
+(experts replicated over TP ranks that saw different tokens would be reduced
+over DP only).
+
+Fusions (`cuda_fusions`), all off on CPU, where the plain paths are exact:
+
+    fusion                        on CUDA            needs
+    bias_activation_fusion        yes (*)            nothing: megatron's jit-fused SwiGLU
+    bias_dropout_fusion           yes                nothing: jit-fused bias-dropout-add
+    apply_rope_fusion             yes at CP = 1 (**) yarn: megatron's Triton MLA RoPE; plain rope: TE
+    moe_permute_fusion            with TE            TE's fused permute (bf16 dispatch only)
+    masked_softmax_fusion         no                 Apex; read only by megatron's DotProductAttention
+    persist_layer_norm            no                 Apex's FusedLayerNorm; torch and TE norms ignore it
+    gradient_accumulation_fusion  no                 Apex for the local linears (the output layer is
+                                                     local in both specs) and megatron DDP's main_grad
+
+(*) not with our grouped bf16 experts (`GroupedSequentialMLP` runs megatron's
+unfused activation and refuses the flag), i.e. local impl + MoE + bf16 experts.
+(**) under CP our attention applies RoPE itself, through megatron-core's
+unfused path. moe_router_fusion (TE's fused top-k) stays off: the recipe's
+group-limited routing with expert bias is checked against the unfused router.
 """
 from __future__ import annotations
 
@@ -35,13 +67,79 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from ..attention.core import MLACoreAttention
 from ..attention.cp import ContextParallelMLASelfAttention, ZigzagCoreAttention
 from ..config.model import ModelConfig
+from ..config.training import RecomputeConfig, TransformerImplConfig
 from ..moe import grouped_experts_spec, quantized_dispatch_spec, quantized_experts_spec
 from ..parallel.layout import ParallelLayout
+from .tensor_parallel import SequenceParallelRMSNorm, TensorParallelMLASelfAttention
+from .recompute import recomputed_mtp_spec
+from .te_spec import check_te_choices, require_transformer_engine, te_layer_spec, te_quant_recipe
+
+
+def cuda_fusions(transformer_impl: str, context_parallel: int, rope_type: str, grouped_local_experts: bool,
+                 dispatch_precision: str = "bf16", on_cuda: Optional[bool] = None) -> dict:
+    """megatron-core's fusion switches for this build (the table in the module docstring)."""
+    on_cuda = torch.cuda.is_available() if on_cuda is None else on_cuda
+    te = transformer_impl == "transformer_engine"
+    rope_fusion = context_parallel == 1 and (te or (rope_type == "yarn" and _have_triton()))
+    return dict(
+        bias_activation_fusion=on_cuda and not grouped_local_experts,
+        bias_dropout_fusion=on_cuda,
+        apply_rope_fusion=on_cuda and rope_fusion,
+        moe_permute_fusion=on_cuda and te and dispatch_precision == "bf16",
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+    )
+
+
+def check_expert_tensor_parallel(moe: bool, tp: int, ep: int, etp: int) -> None:
+    """Raise if TP > 1 would leave EP = 1 experts replicated over TP ranks: megatron-core
+    reduces such experts over DP only, but each TP rank fed its replicas its own
+    sequence shard, so their gradients would miss the other shards'."""
+    if moe and tp > 1 and ep == 1 and etp != tp:
+        raise ValueError(f"--tensor-model-parallel-size {tp} with MoE and EP=1 needs "
+                         f"--expert-tensor-parallel-size {tp} (got {etp}), or EP > 1")
+
+
+def _have_triton() -> bool:
+    from megatron.core.fusions.fused_mla_yarn_rope_apply import HAVE_TRITON
+
+    return bool(HAVE_TRITON)
+
+
+def _recompute_kwargs(recompute: RecomputeConfig, num_layers: int, mtp: bool) -> dict:
+    recompute.check_layers(num_layers)
+    if recompute.recompute_granularity is None:
+        return {}
+    if mtp and recompute.recompute_method == "uniform" and recompute.recompute_num_layers != 1:
+        raise ValueError(f"--recompute-num-layers {recompute.recompute_num_layers} with MTP: megatron-core "
+                         f"recomputes MTP layers one at a time, so --recompute-method uniform needs "
+                         f"--recompute-num-layers 1 (or use block)")
+    modules = recompute.recompute_modules
+    return dict(recompute_granularity=recompute.recompute_granularity,
+                recompute_method=recompute.recompute_method,
+                recompute_num_layers=recompute.recompute_num_layers,
+                recompute_modules=list(modules) if modules is not None else None)
+
+
+def _precision_kwargs(impl: TransformerImplConfig, recompute: RecomputeConfig, expert_precision: str) -> dict:
+    check_te_choices(impl, recompute, expert_precision)
+    kwargs = {}
+    if impl.fp8_recipe:
+        kwargs.update(fp8=impl.fp8_format, fp8_recipe=impl.fp8_recipe)
+    if impl.fp4_recipe:
+        kwargs.update(fp4=impl.fp4_format, fp4_recipe=impl.fp4_recipe)
+    recipe = te_quant_recipe(impl.fp8_format, impl.fp8_recipe, impl.fp4_recipe, impl.te_precision_scope,
+                             impl.te_precision_config_file)
+    if recipe is not None:
+        kwargs["quant_recipe"] = recipe
+    return kwargs
 
 
 def transformer_config(
@@ -49,14 +147,25 @@ def transformer_config(
     layout: Optional[ParallelLayout] = None,
     params_dtype: torch.dtype = torch.float32,
     mtp_loss_scaling_factor: float = 0.1,
+    impl: TransformerImplConfig = TransformerImplConfig(),
+    recompute: RecomputeConfig = RecomputeConfig(),
+    moe_expert_precision: str = "bf16",
+    moe_dispatch_precision: str = "bf16",
+    grouped_experts: bool = True,
     **overrides,
 ) -> MLATransformerConfig:
-    """Map a `ModelConfig` and a parallel layout (default: one rank) onto
-    megatron-core's `MLATransformerConfig`."""
+    """Map a `ModelConfig`, a parallel layout (default: one rank), the layer
+    implementation / TE recipe and activation recompute onto megatron-core's
+    `MLATransformerConfig`. The expert and dispatch precisions decide the
+    fusions and whether experts are TE grouped GEMMs (`moe_grouped_gemm`)."""
     cfg.validate()
     layout = layout or ParallelLayout(world_size=1)
-    yarn = cfg.yarn
+    te = impl.transformer_impl == "transformer_engine"
     moe = cfg.num_moe_layers > 0
+    if te:
+        require_transformer_engine()
+    check_expert_tensor_parallel(moe, layout.tp, layout.ep, layout.etp)
+    yarn = cfg.yarn
     kwargs = dict(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
@@ -88,13 +197,12 @@ def transformer_config(
         init_method_std=cfg.init_method_std,
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
-        # Fusions are CUDA kernels (or TE); the plain paths are exact everywhere.
-        gradient_accumulation_fusion=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
+        **cuda_fusions(impl.transformer_impl, layout.cp, "yarn" if yarn else "rope",
+                       grouped_local_experts=moe and not te and moe_expert_precision == "bf16" and grouped_experts,
+                       dispatch_precision=moe_dispatch_precision),
+        transformer_impl=impl.transformer_impl,
+        **_precision_kwargs(impl, recompute, moe_expert_precision),
+        **_recompute_kwargs(recompute, cfg.num_layers, bool(cfg.mtp_num_layers)),
         mtp_num_layers=cfg.mtp_num_layers or None,
         mtp_loss_scaling_factor=mtp_loss_scaling_factor,
         tensor_model_parallel_size=layout.tp,
@@ -124,31 +232,31 @@ def transformer_config(
             moe_aux_loss_coeff=0.0,
             moe_router_dtype="fp32",
             moe_token_dispatcher_type="alltoall",
-            moe_grouped_gemm=False,
-            moe_permute_fusion=False,
+            # TE: TEGroupedMLP for unquantized experts; ours are SequentialMLPs.
+            moe_grouped_gemm=te and moe_expert_precision == "bf16",
         )
     kwargs.update(overrides)
     return MLATransformerConfig(**kwargs)
 
 
-def _use_our_attention(layer_spec: ModuleSpec, context_parallel: bool) -> None:
+def _use_our_attention(layer_spec: ModuleSpec, context_parallel: bool, te: bool) -> None:
     attention = layer_spec.submodules.self_attention
     assert attention.module is MLASelfAttention, attention.module
     if context_parallel:
         # CP: latent all-gather + zigzag queries (attention/cp.py), not TE's ring.
         attention.module = ContextParallelMLASelfAttention
         attention.submodules.core_attention = ZigzagCoreAttention
-    else:
+    elif not te:  # TE's spec keeps TEDotProductAttention
         attention.submodules.core_attention = MLACoreAttention
 
 
 def _use_our_moe(layer_spec: ModuleSpec, expert_precision: str, dispatch_precision: str,
-                 pg_collection=None, grouped_experts: bool = True) -> None:
+                 pg_collection=None, grouped_experts: bool = True, te: bool = False) -> None:
     mlp = layer_spec.submodules.mlp
     if mlp.module is not MoELayer:  # a dense layer
         return
     experts = quantized_experts_spec(mlp.submodules.experts, expert_precision)
-    if expert_precision == "bf16" and grouped_experts:
+    if expert_precision == "bf16" and grouped_experts and not te:  # TE's spec has TEGroupedMLP
         experts = grouped_experts_spec(experts)
     mlp.submodules.experts = experts
     layer_spec.submodules.mlp = quantized_dispatch_spec(mlp, dispatch_precision, pg_collection)
@@ -157,15 +265,55 @@ def _use_our_moe(layer_spec: ModuleSpec, expert_precision: str, dispatch_precisi
 def composer_block_spec(tconfig: MLATransformerConfig, moe_expert_precision: str = "bf16",
                         moe_dispatch_precision: str = "bf16", pg_collection=None,
                         grouped_experts: bool = True):
-    """Decoder block spec: megatron-core's local MLA spec with our (CP) attention and experts."""
-    block = get_gpt_decoder_block_spec(tconfig, use_transformer_engine=False, normalization="RMSNorm")
+    """Decoder block spec: megatron-core's local or TE MLA spec (`tconfig.transformer_impl`)
+    with our (CP) attention and experts."""
+    te = tconfig.transformer_impl == "transformer_engine"
+    if te:
+        require_transformer_engine()
+    block = get_gpt_decoder_block_spec(tconfig, use_transformer_engine=te, normalization="RMSNorm")
     # Layer specs are shared objects between layers of the same kind; copy
     # before editing so megatron-core's module-level specs stay untouched.
     block.layer_specs = [_copy_spec(spec) for spec in block.layer_specs]
     for spec in block.layer_specs:
-        _use_our_attention(spec, tconfig.context_parallel_size > 1)
-        _use_our_moe(spec, moe_expert_precision, moe_dispatch_precision, pg_collection, grouped_experts)
+        if te:
+            te_layer_spec(spec, moe_expert_precision)
+        _use_our_attention(spec, tconfig.context_parallel_size > 1, te)
+        _use_our_moe(spec, moe_expert_precision, moe_dispatch_precision, pg_collection, grouped_experts, te)
     return block
+
+
+def mtp_block_spec(tconfig: MLATransformerConfig, block):
+    """megatron-core's MTP block spec (DeepSeek-V3's) around the last decoder layer's spec
+    (`models.recompute.RecomputedMTPLayer` layers under full recompute)."""
+    te = tconfig.transformer_impl == "transformer_engine"
+    spec = get_gpt_mtp_block_spec(tconfig, block, use_transformer_engine=te)
+    if tconfig.recompute_granularity == "full":
+        # Copied first: with one MTP layer the list holds megatron-core's shared spec object.
+        spec.layer_specs = [dataclasses.replace(layer) for layer in spec.layer_specs]
+        spec = recomputed_mtp_spec(spec)
+    return spec
+
+
+_SEQUENCE_PARALLEL_LOCAL = {WrappedTorchNorm: SequenceParallelRMSNorm,
+                            MLASelfAttention: TensorParallelMLASelfAttention}
+
+
+def _sequence_parallel_local(spec):
+    """Swap the local spec's pieces that do not fit sequence parallelism (its torch norm,
+    MLA's column-parallel KV down-projection) in a (copied) spec tree for
+    `models.tensor_parallel`'s, in place."""
+    if isinstance(spec, (list, tuple)):
+        return type(spec)(_sequence_parallel_local(s) for s in spec)
+    if isinstance(spec, type):
+        return _SEQUENCE_PARALLEL_LOCAL.get(spec, spec)
+    if isinstance(spec, ModuleSpec):
+        spec.module = _sequence_parallel_local(spec.module)
+        spec.submodules = _sequence_parallel_local(spec.submodules)
+        return spec
+    if dataclasses.is_dataclass(spec):
+        for f in dataclasses.fields(spec):
+            setattr(spec, f.name, _sequence_parallel_local(getattr(spec, f.name)))
+    return spec
 
 
 def _copy_spec(spec):
@@ -187,6 +335,8 @@ def build_model(
     moe_expert_precision: str = "bf16",
     moe_dispatch_precision: str = "bf16",
     grouped_experts: bool = True,
+    impl: TransformerImplConfig = TransformerImplConfig(),
+    recompute: RecomputeConfig = RecomputeConfig(),
     **config_overrides,
 ) -> GPTModel:
     """Build the Composer GPTModel on the current device.
@@ -197,14 +347,21 @@ def build_model(
     dispatch payload). See `megatron_composer.moe`. grouped_experts: the
     unquantized experts as `GroupedSequentialMLP` (one grouped GEMM per
     linear); False gives megatron's SequentialMLP (same parameters).
+    impl: local or Transformer Engine layers and the TE FP8/FP4 recipe;
+    recompute: activation recompute (both megatron-core's, see the configs).
 
     Needs megatron-core's parallel state (or `pg_collection`) to be set up,
     which `platform.init_distributed` + `parallel.initialize_parallel(layout)` do.
     """
-    tconfig = transformer_config(cfg, layout, params_dtype, **config_overrides)
+    tconfig = transformer_config(cfg, layout, params_dtype, impl=impl, recompute=recompute,
+                                 moe_expert_precision=moe_expert_precision,
+                                 moe_dispatch_precision=moe_dispatch_precision,
+                                 grouped_experts=grouped_experts, **config_overrides)
     block = composer_block_spec(tconfig, moe_expert_precision, moe_dispatch_precision, pg_collection,
                                 grouped_experts)
-    mtp = get_gpt_mtp_block_spec(tconfig, block, use_transformer_engine=False) if cfg.mtp_num_layers else None
+    mtp = mtp_block_spec(tconfig, block) if cfg.mtp_num_layers else None
+    if tconfig.sequence_parallel and tconfig.transformer_impl == "local":
+        block, mtp = _sequence_parallel_local(block), _sequence_parallel_local(mtp)
     extra = {"pg_collection": pg_collection} if pg_collection is not None else {}
     model = GPTModel(
         config=tconfig,

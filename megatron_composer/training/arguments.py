@@ -17,6 +17,13 @@ import dataclasses
 from typing import Optional
 
 from ..config import PRESETS, STAGES, ModelConfig, TrainingConfig, get_preset, stage_seq_length
+from ..config.training import (
+    FP4_RECIPES,
+    FP8_RECIPES,
+    RECOMPUTE_MODULES,
+    TE_PRECISION_SCOPES,
+    TRANSFORMER_IMPLS,
+)
 
 
 # Model flags: CLI name -> ModelConfig field.
@@ -41,6 +48,12 @@ _MODEL_FLAGS = {
     "mtp_num_layers": int,
     "rotary_base": float,
 }
+
+
+def _default_transformer_impl() -> str:
+    from ..models.te_spec import have_transformer_engine
+
+    return "transformer_engine" if have_transformer_engine() else "local"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -118,6 +131,32 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--moe-dispatch-precision", choices=["bf16", "mxfp8"], default="bf16",
                    help="EP alltoall dispatch payload: mxfp8 sends E4M3 data + E8M0 scales "
                         "(hidden size a multiple of 32); combine stays bf16")
+
+    g = p.add_argument_group("transformer engine")
+    g.add_argument("--transformer-impl", choices=list(TRANSFORMER_IMPLS), default=_default_transformer_impl(),
+                   help="layer modules: transformer_engine (TE linears, norms, attention; CUDA) or local "
+                        "(megatron-core's own; any device); default: transformer_engine when it imports")
+    g.add_argument("--fp8-format", choices=["e4m3"], default=None,
+                   help="FP8 through TE (with --fp8-recipe); routed experts only unless --te-precision-scope all")
+    g.add_argument("--fp8-recipe", choices=list(FP8_RECIPES), default=None,
+                   help="tensorwise (Ada+), blockwise (Hopper+), mxfp8 (Blackwell B200/B300)")
+    g.add_argument("--fp4-format", choices=["e2m1"], default=None, help="FP4 through TE (with --fp4-recipe)")
+    g.add_argument("--fp4-recipe", choices=list(FP4_RECIPES), default=None, help="nvfp4 (Blackwell B200/B300)")
+    g.add_argument("--te-precision-scope", choices=list(TE_PRECISION_SCOPES), default="experts",
+                   help="which TE linears the FP8/FP4 recipe quantizes: the routed experts, or all")
+    g.add_argument("--te-precision-config-file", default=None,
+                   help="megatron-core per-module quantization YAML (configs + glob matchers); "
+                        "replaces --te-precision-scope")
+
+    g = p.add_argument_group("activation recompute")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
+                   help="full: whole layers (with --recompute-method / --recompute-num-layers); "
+                        "selective: the --recompute-modules of each layer")
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None,
+                   help="full recompute: uniform = chunks of N layers, block = the first N layers")
+    g.add_argument("--recompute-num-layers", type=int, default=None, help="N for --recompute-method")
+    g.add_argument("--recompute-modules", nargs="+", choices=list(RECOMPUTE_MODULES), default=None,
+                   help="selective recompute: the submodules to recompute (default: core_attn)")
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -197,9 +236,38 @@ def parse_args(argv: Optional[list[str]] = None):
             check_divisible([args.seq_length], args.context_parallel_size, packed=False)
         except ValueError as exc:
             raise ValueError(f"--seq-length: {exc}") from None
-    TrainingConfig.from_args(args)  # validates the values
-    check_low_precision(args, model_config_from_args(args))
+    if args.optimizer == "muon" and args.tensor_model_parallel_size > 1:
+        raise ValueError(f"--optimizer muon orthogonalizes whole matrices, which --tensor-model-parallel-size "
+                         f"{args.tensor_model_parallel_size} shards; use --optimizer adam with TP, or TP 1 "
+                         f"(the recipe scales with CP x EP x FSDP)")
+    cfg = TrainingConfig.from_args(args)  # validates the values
+    model_cfg = model_config_from_args(args)
+    from ..models.builder import check_expert_tensor_parallel
+
+    check_expert_tensor_parallel(model_cfg.num_moe_layers > 0, args.tensor_model_parallel_size,
+                                 args.expert_model_parallel_size, args.expert_tensor_parallel_size)
+    check_low_precision(args, model_cfg)
+    check_transformer_impl(cfg, model_cfg)
     return args
+
+
+def check_transformer_impl(cfg: TrainingConfig, model_cfg: ModelConfig) -> None:
+    """Raise a ValueError naming the flag if the implementation, TE recipe or
+    recompute choice cannot run here or contradicts another flag."""
+    import torch
+
+    from ..models.te_spec import check_te_choices, require_transformer_engine
+    from ..platform.recipes import check_recipe
+
+    impl = cfg.transformer
+    cfg.recompute.check_layers(model_cfg.num_layers)
+    if impl.transformer_impl == "transformer_engine":
+        require_transformer_engine()
+    check_te_choices(impl, cfg.recompute, cfg.moe_precision.moe_expert_precision)
+    if impl.te_recipe and torch.cuda.is_available():
+        check_recipe(impl.te_recipe, torch.cuda.get_device_capability(), torch.cuda.get_device_name())
+
+
 def check_low_precision(args, cfg: ModelConfig) -> None:
     """Raise a ValueError naming the size if the model cannot run the chosen MoE precisions."""
     if not cfg.num_experts:

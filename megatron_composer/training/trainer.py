@@ -132,6 +132,7 @@ class Trainer:
                           seq_length=cfg.seq_length,
                           moe_expert_precision=cfg.moe_precision.moe_expert_precision,
                           moe_dispatch_precision=cfg.moe_precision.moe_dispatch_precision,
+                          impl=cfg.transformer, recompute=cfg.recompute,
                           calculate_per_token_loss=True)
         if bf16_params:
             # megatron-core builds its torch norms in fp32 whatever params_dtype says;
