@@ -44,7 +44,7 @@ setup(
         "test": ["pytest", "transformers"],
         # What megatron-core 0.16.1 supports. Never the PyPI package named
         # `apex`: it is an unrelated project.
-        "gpu": ["transformer-engine[pytorch]>=2.9,<2.12"],
+        "gpu": ["transformer-engine[pytorch]>=2.9,<2.12", "pyyaml"],
         "rl": ["ray"],
     },
     entry_points={"console_scripts": ["megatron-composer-cpt=pretrain_cpt:main"]},
