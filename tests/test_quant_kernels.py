@@ -225,3 +225,56 @@ def test_quantized_linear_through_kernels_equals_reference_path(monkeypatch):
     monkeypatch.setattr(ops, "TRITON_DEVICES", {"cpu", "cuda"})
     for got, want in zip(run(), reference):
         assert _same_bits(got, want)
+
+
+# ------------------------------------------------------------------ on CUDA
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_kernels_equal_reference_on_1e7_values(dtype):
+    """Compiled kernels vs the reference, both on CUDA: adversarial values, 1e7 random values in rows
+    of 64 and 1e7 in rows of 7168 (the NVFP4 kernel's loop over a row)."""
+    _check_quantize(adversarial().to(dtype).cuda())
+    values = random_values(1396 * 7168, seed=7)  # 1.0e7 values
+    _check_quantize(values.to(dtype).cuda())
+    _check_quantize(values.flatten()[: 1396 * 7168].reshape(1396, 7168).to(dtype).cuda())
+
+
+@pytest.mark.gpu
+def test_cuda_dequantize_kernels_equal_reference():
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        test_dequantize_kernels_equal_reference_on_every_code(dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernels", [True, False], ids=["triton", "reference"])
+def test_quantized_experts_and_dispatch_never_sync_with_the_host(monkeypatch, kernels):
+    """Forward and backward of the NVFP4 experts (MXFP8 backward) and the MXFP8 dispatch's
+    quantize/dequantize, on CUDA under torch's sync debug mode "error"."""
+    from tests.test_quant_moe import _experts, _permuted_tokens
+
+    if not kernels:
+        monkeypatch.setattr(ops, "TRITON_DEVICES", set())
+    _, experts = _experts("nvfp4", torch.bfloat16)
+    experts = experts.cuda()
+    x, counts, probs = _permuted_tokens(torch.bfloat16)  # tokens_per_expert stays on the CPU, as megatron has it
+    x, probs = x.detach().cuda().requires_grad_(), probs.detach().cuda().requires_grad_()
+
+    def step():
+        out, _ = experts(x, counts, probs)
+        out.backward(torch.ones_like(out))
+        q = ops.quantize_mxfp8(x)
+        return ops.dequantize_mxfp8(q, x.dtype)
+
+    step()  # compiles the kernels and builds the decode tables
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+        from megatron_composer.quant import invalidate_quantized_weights
+
+        invalidate_quantized_weights()
+        step()  # the weights quantized again
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert all(torch.isfinite(p.grad).all() for p in experts.parameters())

@@ -152,10 +152,10 @@ def _mxfp8_quantize_kernel(x_ptr, data_ptr, scale_ptr, out_ptr, rows, nblocks,
     nonfinite = tl.reduce(bad.to(tl.int32), 2, _MAX, keep_dims=True) > 0  # [ROWS, BLOCKS, 1]
     amax_bits = tl.reduce(tl.where(bad, 0.0, mag), 2, _MAX, keep_dims=True).to(tl.int32, bitcast=True)
     # frexp(amax) = f * 2**p: p = E - 126 for a normal amax, and f > 0.875 iff the mantissa
-    # field exceeds 0x600000; a zero or subnormal amax clamps to -127 (as the reference).
+    # field exceeds 0x600000. A zero or subnormal amax (field 0) gives e <= -134: clamped to -127,
+    # as in the reference. e <= 120 for any finite amax, so 2**-e below is a normal number.
     field = amax_bits >> 23
-    e = tl.where((amax_bits & 0x7FFFFF) > 0x600000, field - 134, field - 135)
-    e = tl.where(field == 0, -127, tl.maximum(e, -127))
+    e = tl.maximum(tl.where((amax_bits & 0x7FFFFF) > 0x600000, field - 134, field - 135), -127)
     e = tl.where(nonfinite, 0, e)
     code = _encode_e4m3(x * ((127 - e) << 23).to(tl.float32, bitcast=True))  # x / 2**e, exact
     if FAKE:
