@@ -196,35 +196,40 @@ def test_dequantize_kernels_equal_reference_on_every_code(dtype):
 
 def test_ops_route_cuda_to_kernels_and_cpu_to_reference(monkeypatch):
     calls = []
-    for name in ("quantize_mxfp8", "quantize_nvfp4", "fake_quantize"):
+    for name in ("quantize_mxfp8", "quantize_nvfp4", "fake_quantize", "dequantize_mxfp8", "dequantize_nvfp4"):
         original = getattr(triton_kernels, name)
         monkeypatch.setattr(triton_kernels, name, lambda *a, _o=original, _n=name, **k: calls.append(_n) or _o(*a, **k))
     x = torch.randn(4, 64)
-    ops.quantize_mxfp8(x), ops.fake_quantize(x, "nvfp4")
-    assert calls == []  # CPU tensors: the reference
-    monkeypatch.setattr(ops, "TRITON_DEVICES", {"cpu", "cuda"})
+    ops.dequantize(ops.quantize(x, "mxfp8")), ops.fake_quantize(x, "nvfp4")
+    assert calls == [] and ops.TRITON_DEVICES == {"cuda"}  # CPU tensors: the reference
+    monkeypatch.setattr(ops, "TRITON_DEVICES", {DEVICE})
+    x = x.to(DEVICE)
     assert _same_values(ops.fake_quantize(x, "nvfp4_per_tensor"), formats.fake_quantize(x, "nvfp4_per_tensor"))
-    ops.quantize_mxfp8(x), ops.quantize_nvfp4(x), ops.fake_quantize(x, "mxfp8")
-    assert calls == ["quantize_mxfp8", "quantize_nvfp4", "fake_quantize"]
+    ops.dequantize(ops.quantize(x, "mxfp8")), ops.dequantize(ops.quantize(x, "nvfp4")), ops.fake_quantize(x, "mxfp8")
+    assert calls == ["quantize_mxfp8", "dequantize_mxfp8", "quantize_nvfp4", "dequantize_nvfp4", "fake_quantize"]
 
 
 def test_quantized_linear_through_kernels_equals_reference_path(monkeypatch):
-    """The GEMM's quantizers see transposed, padded and bf16 operands; through the kernels the bits stay."""
-    from megatron_composer.quant import quantized_linear
+    """The GEMM's quantizers see transposed, padded and bf16 operands and a cached weight;
+    through the kernels every bit of y, dx and dw stays."""
+    from megatron_composer.quant import WeightQuantCache, quantized_linear
 
     g = torch.Generator().manual_seed(4)
-    x = torch.randn(37, 64, generator=g).bfloat16().requires_grad_()
-    w = (torch.randn(96, 64, generator=g) * 0.1).requires_grad_()
-    dy = torch.randn(37, 96, generator=g).bfloat16()
+    x = torch.randn(37, 64, generator=g).bfloat16().to(DEVICE).requires_grad_()
+    w = (torch.randn(96, 64, generator=g) * 0.1).to(DEVICE).requires_grad_()
+    dy = torch.randn(37, 96, generator=g).bfloat16().to(DEVICE)
 
-    def run():
-        y = quantized_linear(x, w, "nvfp4")
+    def run(precision, cached):
+        y = quantized_linear(x, w, precision, cached=WeightQuantCache().get(w) if cached else None)
         return (y, *torch.autograd.grad(y, [x, w], dy))
 
-    reference = run()
-    monkeypatch.setattr(ops, "TRITON_DEVICES", {"cpu", "cuda"})
-    for got, want in zip(run(), reference):
-        assert _same_bits(got, want)
+    for precision in ("nvfp4", "mxfp8"):
+        monkeypatch.setattr(ops, "TRITON_DEVICES", set())
+        reference = run(precision, cached=False)
+        monkeypatch.setattr(ops, "TRITON_DEVICES", {DEVICE})
+        for cached in (False, True):
+            for got, want in zip(run(precision, cached), reference):
+                assert _same_bits(got, want), (precision, cached)
 
 
 # ------------------------------------------------------------------ on CUDA
