@@ -4,7 +4,10 @@
 of a dozen full-size elementwise passes. These kernels do the same recipe in
 one pass over the input (two for NVFP4: the per-token amax, then the
 blocks), with no host sync: the grid depends on shapes only, and non-finite
-blocks are handled with `tl.where`, never a branch on data.
+blocks are handled with `tl.where`, never a branch on data. They are ours,
+not Transformer Engine's: TE's NVFP4 has one global scale per tensor, not
+per token, TE is not bit-specified against this reference, and the
+emulated expert path must run where TE is not installed.
 
 Bit-exactness: every step is the reference's own IEEE fp32 operation, or an
 integer operation on bit patterns that gives the same value:
@@ -25,12 +28,18 @@ integer operation on bit patterns that gives the same value:
       Triton's interpreter truncates in its own fp32 -> bf16 cast.
 No product here is followed by an addition of a rounded value, so fused
 multiply-add contraction cannot change a result. Subnormal fp32 inputs and
-results are kept (Triton flushes no fp32 denormals in plain arithmetic).
+results must not be flushed to zero; Triton's plain fp32 arithmetic keeps
+them, and the CUDA test feeds fp32 subnormals.
 
 On CUDA the kernels compile; on a machine without CUDA they are built with
 Triton's interpreter (numpy), which runs them on CPU tensors: that is how the
 CPU test suite checks them bit for bit against `formats.py`. The training
-path calls them only for CUDA tensors (`quant/ops.py`).
+path calls them only for CUDA tensors (`quant/ops.py`). The interpreter is
+chosen per function here, not by TRITON_INTERPRET before triton's import
+(megatron-core imports triton first), so triton.language's own jit helpers
+stay compiled-only: the kernels use builtins (`tl.full`, not `tl.zeros`) and
+reduce with `tl.reduce` and tl.max's combine function, which the interpreter
+recognizes and runs as numpy's max.
 """
 from __future__ import annotations
 
