@@ -312,3 +312,31 @@ def test_expert_weights_are_quantized_once_per_optimizer_step(monkeypatch):
 
     invalidate_quantized_weights()
     assert len(micro_batches(7)) == per_step
+
+
+def test_cached_weight_quantization_trains_exactly_like_quantizing_every_micro_batch(data_dir, monkeypatch):
+    """A --bf16 run (fp32 main weights copied into the bf16 model after each step, DDP grad
+    buffers), two micro-batches per step: the cache quantizes each expert operand once per step,
+    and the losses equal, bit for bit, a run that quantizes the weights at every use."""
+    from megatron_composer.config import MoEPrecisionConfig
+    from megatron_composer.data import CPTDataset
+    from megatron_composer.quant import weights
+    from tests.trainers import make_trainer
+
+    calls = []
+    original = weights.quantize_weight
+    monkeypatch.setattr(weights, "quantize_weight", lambda w, fmt: calls.append(fmt) or original(w, fmt))
+
+    def losses(steps=3):
+        trainer = make_trainer(CPTDataset(str(data_dir / "stdlib_train"), 64, seed=5), bf16=True,
+                               moe_precision=MoEPrecisionConfig(moe_expert_precision="nvfp4"))
+        linears = sum(hasattr(m, "weight_quant_cache") for m in trainer.model.gpt.modules())
+        calls.clear()
+        return [trainer.step().lm_loss for _ in range(steps)], len(calls) / steps / linears
+
+    cached, per_linear_and_step = losses()
+    assert per_linear_and_step == 2  # the forward and the dgrad operand, for two micro-batches
+    monkeypatch.setattr(weights.WeightQuantCache, "get", lambda self, w: weights.QuantizedWeight(weights._key(w)))
+    fresh, per_linear_and_step = losses()
+    assert per_linear_and_step == 4
+    assert cached == fresh
