@@ -201,15 +201,18 @@ def _decode_table(fmt: str, device: torch.device) -> torch.Tensor:
     key = (fmt, device)
     table = _DECODE_TABLES.get(key)
     if table is None:
-        if fmt == "e4m3":
-            table = _minifloat_values(torch.arange(256, dtype=torch.int32, device=device), _E4M3_MANT_BITS, 4,
-                                      _E4M3_EMIN)
-            table[0x7F] = table[0xFF] = float("nan")
-        else:
-            table = _minifloat_values(torch.arange(16, dtype=torch.int32, device=device), _E2M1_MANT_BITS, 2,
-                                      _E2M1_EMIN)
+        with torch.inference_mode(False):  # a plain tensor, usable outside inference mode too
+            table = _build_decode_table(fmt, device)
         _DECODE_TABLES[key] = table
     return table
+
+
+def _build_decode_table(fmt: str, device: torch.device) -> torch.Tensor:
+    if fmt == "e4m3":
+        table = _minifloat_values(torch.arange(256, dtype=torch.int32, device=device), _E4M3_MANT_BITS, 4, _E4M3_EMIN)
+        table[0x7F] = table[0xFF] = float("nan")
+        return table
+    return _minifloat_values(torch.arange(16, dtype=torch.int32, device=device), _E2M1_MANT_BITS, 2, _E2M1_EMIN)
 
 
 def encode_e4m3(x: torch.Tensor) -> torch.Tensor:
