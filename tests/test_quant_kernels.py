@@ -283,3 +283,56 @@ def test_quantized_experts_and_dispatch_never_sync_with_the_host(monkeypatch, ke
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert all(torch.isfinite(p.grad).all() for p in experts.parameters())
+
+
+_COMPILE_FOR_HOPPER = r'''
+import torch
+torch.cuda.is_available = lambda: True  # build the compiled kernels, not the interpreter's
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from megatron_composer.quant import triton_kernels as tk
+
+def ptx(fn, pointers, **constexprs):
+    sig = dict(pointers, rows="i32", nblocks="i32", **{k: "constexpr" for k in constexprs})
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+
+quant = dict(IN_BF16=True, ROWS=4, BLOCKS=64)
+codes = [
+    ptx(tk._mxfp8_quantize_kernel, dict(x_ptr="*i16", data_ptr="*u8", scale_ptr="*u8", out_ptr="*fp32"),
+        FAKE=False, OUT_KIND=0, **quant),
+    ptx(tk._mxfp8_quantize_kernel, dict(x_ptr="*i16", data_ptr="*u8", scale_ptr="*u8", out_ptr="*i16"),
+        FAKE=True, OUT_KIND=1, **quant),
+    ptx(tk._nvfp4_quantize_kernel, dict(x_ptr="*i16", data_ptr="*u8", block_scale_ptr="*u8", token_scale_ptr="*fp32",
+                                        out_ptr="*fp32"), FAKE=False, OUT_KIND=0, **quant),
+    ptx(tk._nvfp4_quantize_kernel, dict(x_ptr="*i16", data_ptr="*u8", block_scale_ptr="*u8", token_scale_ptr="*fp32",
+                                        out_ptr="*fp32"), FAKE=True, OUT_KIND=0, **quant),
+    ptx(tk._mxfp8_dequantize_kernel, dict(data_ptr="*u8", scale_ptr="*u8", out_ptr="*i16"), OUT_KIND=1, ROWS=4, BLOCKS=64),
+    ptx(tk._nvfp4_dequantize_kernel, dict(data_ptr="*u8", block_scale_ptr="*u8", token_scale_ptr="*fp32",
+                                          out_ptr="*fp32"), OUT_KIND=0, ROWS=4, BLOCKS=64),
+]
+assert not any(".ftz" in c for c in codes), "a kernel flushes fp32 subnormals"
+assert not any(op in c for c in codes for op in ("div.full", "div.approx")), "an approximate division"
+assert all("div.rn.f32" in c for c in codes[2:4]), "the NVFP4 scales need IEEE division"
+print("compiled", len(codes))
+'''
+
+
+def test_kernels_compile_for_hopper_without_ftz_or_approximate_division():
+    """Triton compiles the kernels for sm_90 ahead of time (no GPU needed); the PTX keeps fp32
+    subnormals (no .ftz) and divides with IEEE rounding, which bit-exactness relies on."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import triton
+
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this triton has no bundled ptxas")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    result = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "compiled 6" in result.stdout

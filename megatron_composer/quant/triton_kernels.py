@@ -16,8 +16,8 @@ integer operation on bit patterns that gives the same value:
       round the same real number);
     - round-half-to-even to the quantum grid is `(v + 2**23) - 2**23` on
       v < 16, exact IEEE addition;
-    - the NVFP4 token and block scale divisions are `tl.math.div_rn` (IEEE
-      round-to-nearest; Triton's `/` may be approximate);
+    - the NVFP4 divisions are `tl.math.div_rn` (IEEE round-to-nearest;
+      Triton's `/` compiles to the approximate `div.full.f32`);
     - block amax is a max over finite magnitudes plus a separate non-finite
       flag, because Triton's max may drop NaN where torch's amax keeps it;
     - the E4M3/E2M1 code of a rounded magnitude is read from its exponent and
@@ -29,7 +29,8 @@ integer operation on bit patterns that gives the same value:
 No product here is followed by an addition of a rounded value, so fused
 multiply-add contraction cannot change a result. Subnormal fp32 inputs and
 results must not be flushed to zero; Triton's plain fp32 arithmetic keeps
-them, and the CUDA test feeds fp32 subnormals.
+them. A CPU test compiles the kernels for sm_90 and checks the PTX for both
+(no `.ftz`, no approximate division); the CUDA test feeds fp32 subnormals.
 
 On CUDA the kernels compile; on a machine without CUDA they are built with
 Triton's interpreter (numpy), which runs them on CPU tensors: that is how the
