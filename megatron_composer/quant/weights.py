@@ -4,15 +4,15 @@ A quantized expert GEMM needs two operands of its weight w [out, in]: the
 forward's `fake_quantize(w, precision)` and the dgrad's MXFP8 copy of w.T,
 blocked along `out` (`quant/gemm.py`). Both depend on w alone, which changes
 only when the optimizer updates it, so `WeightQuantCache` keeps them in their
-compact quantized form (NVFP4: 4.5 bits per weight element plus a scale per
-row, MXFP8: 8.25 bits; about 1.6 bytes per element for both operands) and
-dequantizes them at each use, which gives the same values as quantizing
-afresh.
+compact quantized form (NVFP4: 4.5 bits per weight element plus an fp32
+scale per row, MXFP8: 8.25 bits; both operands together about 1.6 bytes per
+element with nvfp4 experts, 2.1 with mxfp8) and dequantizes them at each
+use, which gives the same values as quantizing afresh.
 
 When a cached operand is stale. The cache key of a weight is
     (optimizer-step generation, data_ptr, _version, shape, dtype, device).
-`_version` counts in-place writes through the parameter itself (an unfused
-optimizer update, `load_state_dict`, the fp32 main -> bf16 model copy in
+`_version` counts in-place writes through the parameter itself (an optimizer
+updating it in place, `load_state_dict`, the fp32 main -> bf16 model copy in
 `optim/builder.py`); data_ptr catches a parameter whose `.data` is replaced
 (`.to()`, `.cuda()`). Neither sees writes that bypass the parameter's own
 version counter: `param.data.copy_(...)`, a distributed optimizer writing
