@@ -41,7 +41,9 @@ setup(
         "xxhash",  # checkpoint file checksums
     ],
     extras_require={
-        "test": ["pytest", "transformers"],
+        # triton: the quantization kernels' tests run through its CPU interpreter; CUDA builds of
+        # torch already ship a triton, which this leaves as it is.
+        "test": ["pytest", "transformers", "triton>=3.0; platform_system == 'Linux'"],
         # What megatron-core 0.16.1 supports. Never the PyPI package named
         # `apex`: it is an unrelated project.
         "gpu": ["transformer-engine[pytorch]>=2.9,<2.12", "pyyaml"],

@@ -1,6 +1,7 @@
 """Low-precision format benchmarks: dispatch bytes, NVFP4 scale recipes, quantizer speed.
 
-    python benchmarks/quant.py
+    python benchmarks/quant.py                  # CPU: (a)-(d)
+    python benchmarks/quant.py --device cuda    # one GPU: (e)-(f), under a minute on an H200
 
 Each line says whether its figure is analytic (computed from the format
 definitions alone) or measured (from running the code).
@@ -21,9 +22,20 @@ definitions alone) or measured (from running the code).
     with `moe.MXFP8AlltoAllTokenDispatcher`, counting the bytes handed to
     torch.distributed.all_to_all_single by the dispatch step (hidden states
     only; the fp32 routing probs, 4 B per routed token, are the same in both).
+(e) measured, CUDA: the Triton quantizers (`quant/triton_kernels.py`) against
+    the torch reference (`quant/formats.py`) on the same GPU, on a bf16
+    [16384, 7168] activation: milliseconds, GB/s of input, reference/Triton.
+(f) measured, CUDA: one expert GEMM forward + backward (fc1 of a DeepSeek-V3 /
+    Kimi K2 expert: x [8192, 7168] @ w [4096, 7168].T, bf16 operands), bf16
+    (torch's bf16 GEMMs) against the emulated mxfp8 and nvfp4 GEMMs
+    (`quant/gemm.py`: Triton quantizers, weights quantized once as in
+    training, fp32 matmuls; and nvfp4 quantizing the weight at every call).
+    Hopper has no tensor cores for MX/NV block scales, so this emulation is
+    what runs there; the ratio says what it costs.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import socket
@@ -162,7 +174,90 @@ def measured_dispatch_bytes(hidden: int, world: int = 2) -> None:
     )
 
 
+def cuda_ms(fn, runs: int = 10) -> float:
+    """Median milliseconds of fn() over `runs` CUDA-event-timed calls, after two warm-up calls."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(runs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def cuda_quantizers(gpu: str) -> None:
+    """(e): Triton vs torch-reference quantizers on one bf16 activation."""
+    from megatron_composer.quant import formats, triton_kernels
+
+    x = torch.randn(16384, 7168, device="cuda", generator=torch.Generator("cuda").manual_seed(0)).bfloat16()
+    q_mx, q_nv = triton_kernels.quantize_mxfp8(x), triton_kernels.quantize_nvfp4(x)
+    cases = (
+        ("mxfp8 quantize", triton_kernels.quantize_mxfp8, formats.quantize_mxfp8),
+        ("nvfp4 quantize", triton_kernels.quantize_nvfp4, formats.quantize_nvfp4),
+        ("mxfp8 dequantize -> bf16", lambda _: triton_kernels.dequantize_mxfp8(q_mx, torch.bfloat16),
+         lambda _: formats.dequantize_mxfp8(q_mx, torch.bfloat16)),
+        ("nvfp4 dequantize -> fp32", lambda _: triton_kernels.dequantize_nvfp4(q_nv),
+         lambda _: formats.dequantize_nvfp4(q_nv)),
+        ("mxfp8 fake-quantize -> fp32", lambda t: triton_kernels.fake_quantize(t, "mxfp8", torch.float32),
+         lambda t: formats.fake_quantize(t, "mxfp8", torch.float32)),
+        ("nvfp4 fake-quantize -> fp32", lambda t: triton_kernels.fake_quantize(t, "nvfp4", torch.float32),
+         lambda t: formats.fake_quantize(t, "nvfp4", torch.float32)),
+    )
+    gbytes = x.numel() * x.element_size() / 1e9
+    for name, kernel, reference in cases:
+        t_kernel, t_reference = cuda_ms(lambda: kernel(x)), cuda_ms(lambda: reference(x))
+        print(f"(e) measured: {name} {tuple(x.shape)} bf16 on {gpu}: triton {t_kernel:.3f} ms "
+              f"({gbytes / t_kernel * 1e3:.0f} GB/s of bf16 input), torch reference {t_reference:.3f} ms, "
+              f"reference/triton {t_reference / t_kernel:.1f}x")
+
+
+def cuda_expert_gemm(gpu: str, tokens: int = 8192, hidden: int = 7168, out: int = 4096) -> None:
+    """(f): bf16 vs emulated mxfp8 / nvfp4 expert GEMM, forward + backward."""
+    from megatron_composer.quant import WeightQuantCache, quantized_linear
+
+    g = torch.Generator("cuda").manual_seed(0)
+    x = torch.randn(tokens, hidden, device="cuda", generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(out, hidden, device="cuda", generator=g) * hidden ** -0.5).bfloat16().requires_grad_()
+    dy = torch.randn(tokens, out, device="cuda", generator=g).bfloat16()
+    flops = 3 * 2 * tokens * hidden * out
+    times = {}
+    for label, precision, cached in (("bf16", "bf16", False), ("mxfp8 emulated", "mxfp8", True),
+                                     ("nvfp4 emulated", "nvfp4", True),
+                                     ("nvfp4 emulated, weight quantized at every call", "nvfp4", False)):
+        cache = WeightQuantCache()
+
+        def step():
+            y = quantized_linear(x, w, precision, cached=cache.get(w) if cached else None)
+            torch.autograd.grad(y, [x, w], dy)
+
+        times[label] = cuda_ms(step)
+        torch.cuda.empty_cache()
+    for label, ms in times.items():
+        print(f"(f) measured: expert GEMM fwd+bwd x [{tokens}, {hidden}] @ w [{out}, {hidden}].T on {gpu}, "
+              f"{label}: {ms:.2f} ms, {flops / ms / 1e9:.0f} TFLOP/s, time vs bf16 {ms / times['bf16']:.1f}x")
+
+
+def cuda_main() -> None:
+    if not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is visible; run without --device for the CPU benchmarks")
+    import triton
+
+    gpu = torch.cuda.get_device_name()
+    print(f"GPU: {gpu}, torch {torch.__version__}, triton {triton.__version__}")
+    cuda_quantizers(gpu)
+    cuda_expert_gemm(gpu)
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    if parser.parse_args().device == "cuda":
+        cuda_main()
+        return
     for hidden in (7168, 128):
         dispatch_bytes(hidden)
     for scale in (1e2, 1e4, 1e5, 1e6):

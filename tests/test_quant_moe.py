@@ -265,3 +265,78 @@ def test_mxfp8_dispatch_at_ep2_sends_the_mxfp8_payload():
     for r in results:
         print(r)
         assert r["mxfp8_bytes"] / r["bf16_bytes"] == pytest.approx((1 + 1 / 32) / 2)
+
+
+# ------------------------------------------------------------------ weight quantization cache
+def test_expert_weights_are_quantized_once_per_optimizer_step(monkeypatch):
+    """Micro-batches reuse the quantized weights; an in-place update, a write behind the version
+    counter followed by an optimizer step, or an explicit invalidation re-quantize them; every
+    result equals the uncached path bit for bit, forward and backward."""
+    from megatron_composer.quant import invalidate_quantized_weights, weights
+
+    _, ours = _experts("nvfp4")
+    calls = []
+    original = weights.quantize_weight
+    monkeypatch.setattr(weights, "quantize_weight", lambda w, fmt: calls.append(fmt) or original(w, fmt))
+    per_step = 2 * 2 * TINY.num_experts  # fc1 and fc2, forward and dgrad operands
+
+    def micro_batches(*seeds):
+        """Run ours and the uncached reference (which never calls the cache's quantizer); count quantizations."""
+        calls.clear()
+        for seed in seeds:
+            x, counts, probs = _permuted_tokens(torch.float32)
+            x = (x.detach() * (1 + seed)).requires_grad_()
+            out, grads = _run(ours, x, counts, probs, grad_seed=seed)
+            params = {n: p.detach().clone().requires_grad_() for n, p in ours.named_parameters()}
+            ref = _reference_experts(x, counts, probs, params, "nvfp4")
+            grad = torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed)).to(ref.dtype)
+            ref_grads = torch.autograd.grad(ref, [x, probs, *params.values()], grad)
+            assert torch.equal(out, ref.detach())
+            for name, ref_grad in zip(["x", "probs", *params], ref_grads):
+                assert torch.equal(grads[name], ref_grad), name
+        return list(calls)
+
+    first = micro_batches(0, 1, 2)
+    assert len(first) == per_step and first.count("mxfp8") == per_step // 2  # once per weight and operand
+    assert micro_batches(3) == []
+
+    with torch.no_grad():  # in place (an unfused optimizer update, the bf16 copy of fp32 main weights)
+        for p in ours.parameters():
+            p.add_(0.01)
+    assert len(micro_batches(4)) == per_step
+
+    for p in ours.parameters():  # behind the version counter, then an optimizer step
+        p.data.mul_(0.5)
+    torch.optim.SGD(ours.parameters(), lr=0.0).step()
+    assert len(micro_batches(5, 6)) == per_step
+
+    invalidate_quantized_weights()
+    assert len(micro_batches(7)) == per_step
+
+
+def test_cached_weight_quantization_trains_exactly_like_quantizing_every_micro_batch(data_dir, monkeypatch):
+    """A --bf16 run (fp32 main weights copied into the bf16 model after each step, DDP grad
+    buffers), two micro-batches per step: the cache quantizes each expert operand once per step,
+    and the losses equal, bit for bit, a run that quantizes the weights at every use."""
+    from megatron_composer.config import MoEPrecisionConfig
+    from megatron_composer.data import CPTDataset
+    from megatron_composer.quant import weights
+    from tests.trainers import make_trainer
+
+    calls = []
+    original = weights.quantize_weight
+    monkeypatch.setattr(weights, "quantize_weight", lambda w, fmt: calls.append(fmt) or original(w, fmt))
+
+    def losses(steps=3):
+        trainer = make_trainer(CPTDataset(str(data_dir / "stdlib_train"), 64, seed=5), bf16=True,
+                               moe_precision=MoEPrecisionConfig(moe_expert_precision="nvfp4"))
+        linears = sum(hasattr(m, "weight_quant_cache") for m in trainer.model.gpt.modules())
+        calls.clear()
+        return [trainer.step().lm_loss for _ in range(steps)], len(calls) / steps / linears
+
+    cached, per_linear_and_step = losses()
+    assert per_linear_and_step == 2  # the forward and the dgrad operand, for two micro-batches
+    monkeypatch.setattr(weights.WeightQuantCache, "get", lambda self, w: weights.QuantizedWeight(weights._key(w)))
+    fresh, per_linear_and_step = losses()
+    assert per_linear_and_step == 4
+    assert cached == fresh

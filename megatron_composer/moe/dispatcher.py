@@ -27,6 +27,10 @@ the quantizer treated as the identity (straight-through), as FP8 training
 recipes do for activation casts. The MoE backward GEMMs are MXFP8 already
 (`quant/gemm.py`); quantizing this exchange too is left to a fused kernel.
 
+On CUDA the quantize and dequantize are the Triton kernels (`quant/ops.py`,
+bit-identical to the torch reference used elsewhere); neither syncs with the
+host.
+
 megatron-core picks the dispatcher class from `config.moe_token_dispatcher_type`
 inside `MoELayer.__init__`, with no spec hook, so the spec selects
 `MXFP8DispatchMoELayer`, a MoELayer that swaps in this dispatcher right after
@@ -41,7 +45,8 @@ from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from ..quant.formats import MXFP8_BLOCK, MXFP8Tensor, dequantize_mxfp8, quantize_mxfp8
+from ..quant.formats import MXFP8_BLOCK, MXFP8Tensor
+from ..quant.ops import dequantize_mxfp8, quantize_mxfp8
 
 DISPATCH_PRECISIONS = ("bf16", "mxfp8")
 

@@ -20,6 +20,11 @@ dicts are megatron's own: checkpoints, Muon's per-expert grouping and HF
 conversion see no difference. Selected through the layer spec
 (`quantized_experts_spec`), never by patching megatron-core.
 
+Each linear keeps its weight's quantized operands in a `WeightQuantCache`
+(`quant/weights.py`): quantized once per optimizer step and reused by every
+micro-batch (and by activation recompute), with results equal to quantizing
+afresh. On CUDA the quantizers are the Triton kernels (`quant/ops.py`).
+
 Expert TP > 1 needs nothing more (untested here): expert linears then do no
 communication of their own (megatron's `explicit_expert_comm`), so
 `_forward_impl` is a local GEMM on the weight shard, whose dims must still be
@@ -38,6 +43,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.utils import get_pg_size
 
 from ..quant.gemm import check_quantized_linear_shapes, quantized_linear
+from ..quant.weights import WeightQuantCache
 
 EXPERT_PRECISIONS = ("bf16", "mxfp8", "nvfp4")
 
@@ -82,6 +88,7 @@ class _QuantizedExpertGemm:
     """
 
     precision: str
+    weight_quant_cache: WeightQuantCache
 
     def _forward_impl(self, input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                       allreduce_dgrad: bool = False, sequence_parallel: bool = False, **_unused) -> torch.Tensor:
@@ -92,7 +99,7 @@ class _QuantizedExpertGemm:
                 f"allreduce_dgrad={allreduce_dgrad}, sequence_parallel={sequence_parallel}; "
                 f"use them only as routed-expert linears (is_expert=True)"
             )
-        out = quantized_linear(input, weight, self.precision)
+        out = quantized_linear(input, weight, self.precision, cached=self.weight_quant_cache.get(weight))
         return out if bias is None else out + bias
 
 
@@ -102,6 +109,7 @@ class QuantizedColumnParallelLinear(_QuantizedExpertGemm, ColumnParallelLinear):
     def __init__(self, *args, precision: str, **kwargs):
         super().__init__(*args, **kwargs)
         self.precision = precision
+        self.weight_quant_cache = WeightQuantCache()
 
 
 class QuantizedRowParallelLinear(_QuantizedExpertGemm, RowParallelLinear):
@@ -110,6 +118,7 @@ class QuantizedRowParallelLinear(_QuantizedExpertGemm, RowParallelLinear):
     def __init__(self, *args, precision: str, **kwargs):
         super().__init__(*args, **kwargs)
         self.precision = precision
+        self.weight_quant_cache = WeightQuantCache()
 
 
 class QuantizedSequentialMLP(SequentialMLP):

@@ -1,7 +1,11 @@
 """Low-precision formats (MXFP8, NVFP4) and quantized expert GEMMs, exact on any device.
 
-`formats` holds the pure quantize/dequantize functions; `gemm` the autograd
-GEMM `quantized_linear(x, w, precision)` for MoE experts. The MXFP8 dispatch
+`formats` holds the pure quantize/dequantize functions, the reference (the
+ones exported here); `triton_kernels` the same recipes as Triton kernels, bit
+for bit; `ops` picks the kernels for CUDA tensors and the reference
+elsewhere, and is what the training path calls. `gemm` has the autograd GEMM
+`quantized_linear(x, w, precision)` for MoE experts, `weights` the cache that
+quantizes each expert weight once per optimizer step. The MXFP8 dispatch
 payload is `quantize_mxfp8(x)` -> (`data`, `scale`) on the sender and
 `dequantize_mxfp8(MXFP8Tensor(data, scale), dtype)` on the receiver.
 """
@@ -35,6 +39,7 @@ from megatron_composer.quant.gemm import (
     quantized_forward,
     quantized_linear,
 )
+from megatron_composer.quant.weights import QuantizedWeight, WeightQuantCache, invalidate_quantized_weights
 
 __all__ = [
     "E2M1_MAX",
@@ -46,6 +51,8 @@ __all__ = [
     "NVFP4Tensor",
     "PRECISIONS",
     "QuantizedLinearFunction",
+    "QuantizedWeight",
+    "WeightQuantCache",
     "check_quantized_linear_shapes",
     "decode_e2m1",
     "decode_e4m3",
@@ -55,6 +62,7 @@ __all__ = [
     "encode_e2m1",
     "encode_e4m3",
     "fake_quantize",
+    "invalidate_quantized_weights",
     "mxfp8_dgrad",
     "mxfp8_wgrad",
     "pad_to_block",

@@ -180,24 +180,39 @@ def _encode_minifloat(x: torch.Tensor, mant_bits: int, emin: int, max_value: flo
     return code.bitwise_or_(sign).to(torch.uint8)
 
 
-def _decode_table(mant_bits: int, exp_bits: int, emin: int) -> list[float]:
-    """Values of every code of a sign-magnitude small float, NaN codes included as given by the formula."""
-    values = []
-    for code in range(1 << (1 + exp_bits + mant_bits)):
-        sign = -1.0 if code >> (exp_bits + mant_bits) else 1.0
-        field = (code >> mant_bits) & ((1 << exp_bits) - 1)
-        mant = code & ((1 << mant_bits) - 1)
-        if field == 0:
-            mag = mant * 2.0 ** (emin - mant_bits)
-        else:
-            mag = ((1 << mant_bits) + mant) * 2.0 ** (field - 1 + emin - mant_bits)
-        values.append(sign * mag)
-    return values
+def _minifloat_values(codes: torch.Tensor, mant_bits: int, exp_bits: int, emin: int) -> torch.Tensor:
+    """Exact fp32 values of sign-magnitude small-float codes (int32), from the format definition."""
+    field = (codes >> mant_bits) & ((1 << exp_bits) - 1)
+    mant = codes & ((1 << mant_bits) - 1)
+    normal = (mant + (1 << mant_bits)).float() * _exp2_int(field - 1 + emin - mant_bits)
+    mag = torch.where(field == 0, mant.float() * 2.0 ** (emin - mant_bits), normal)
+    return torch.where(((codes >> (exp_bits + mant_bits)) & 1) == 1, -mag, mag)
 
 
-_E4M3_TABLE = _decode_table(_E4M3_MANT_BITS, 4, _E4M3_EMIN)
-_E4M3_TABLE[0x7F] = _E4M3_TABLE[0xFF] = float("nan")
-_E2M1_TABLE = _decode_table(_E2M1_MANT_BITS, 2, _E2M1_EMIN)
+_DECODE_TABLES: dict = {}
+
+
+def _decode_table(fmt: str, device: torch.device) -> torch.Tensor:
+    """The value of every code of `fmt` ("e4m3" [256], "e2m1" [16]) on `device`.
+
+    Built there from `torch.arange` and cached per device: a table copied from
+    the host would cost a host-device transfer (a sync) per call.
+    """
+    key = (fmt, device)
+    table = _DECODE_TABLES.get(key)
+    if table is None:
+        with torch.inference_mode(False):  # a plain tensor, usable outside inference mode too
+            table = _build_decode_table(fmt, device)
+        _DECODE_TABLES[key] = table
+    return table
+
+
+def _build_decode_table(fmt: str, device: torch.device) -> torch.Tensor:
+    if fmt == "e4m3":
+        table = _minifloat_values(torch.arange(256, dtype=torch.int32, device=device), _E4M3_MANT_BITS, 4, _E4M3_EMIN)
+        table[0x7F] = table[0xFF] = float("nan")
+        return table
+    return _minifloat_values(torch.arange(16, dtype=torch.int32, device=device), _E2M1_MANT_BITS, 2, _E2M1_EMIN)
 
 
 def encode_e4m3(x: torch.Tensor) -> torch.Tensor:
@@ -220,8 +235,7 @@ def decode_e4m3(bits: torch.Tensor) -> torch.Tensor:
     Returns:
         same shape, float32 (NaN for 0x7F/0xFF).
     """
-    table = torch.tensor(_E4M3_TABLE, dtype=torch.float32, device=bits.device)
-    return table[bits.long()]
+    return _decode_table("e4m3", bits.device)[bits.long()]
 
 
 def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
@@ -244,8 +258,7 @@ def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
     Returns:
         same shape, float32.
     """
-    table = torch.tensor(_E2M1_TABLE, dtype=torch.float32, device=codes.device)
-    return table[codes.long()]
+    return _decode_table("e2m1", codes.device)[codes.long()]
 
 
 def decode_e8m0(bits: torch.Tensor) -> torch.Tensor:
@@ -260,8 +273,8 @@ def decode_e8m0(bits: torch.Tensor) -> torch.Tensor:
     return torch.where(bits == _E8M0_NAN, float("nan"), value)
 
 
-def _checked_fp32(x: torch.Tensor, block: int, name: str) -> torch.Tensor:
-    """Validate a quantizer input and return it as fp32."""
+def check_quantizer_input(x: torch.Tensor, block: int, name: str) -> None:
+    """Raise naming the dtype/shape and the fix unless x is a float32/bf16/fp16 [..., k], k % block == 0."""
     if x.dtype not in _ACCEPTED_DTYPES:
         raise TypeError(
             f"{name}: input dtype {x.dtype} is not supported; pass float32, bfloat16 or float16 "
@@ -275,6 +288,11 @@ def _checked_fp32(x: torch.Tensor, block: int, name: str) -> torch.Tensor:
             f"{name}: last dimension {k} is not a multiple of the block size {block}; "
             f"pad it to {k + (-k % block)} with quant.pad_to_block(x, {block}) and slice the result back"
         )
+
+
+def _checked_fp32(x: torch.Tensor, block: int, name: str) -> torch.Tensor:
+    """Validate a quantizer input and return it as fp32."""
+    check_quantizer_input(x, block, name)
     return x.float()
 
 

@@ -19,6 +19,11 @@ own contraction dimension:
                           fills the last partial block and zeros never change a
                           block's amax, so it is exact.
 
+Quantizers: `quant/ops.py`, i.e. the Triton kernels on CUDA and the torch
+reference elsewhere, bit-identical. A `QuantizedWeight` (`quant/weights.py`)
+passed as `cached` supplies the weight's two operands quantized once per
+optimizer step; the result is exactly the uncached one.
+
 Emulation: dequantize to fp32 and run an fp32 matmul, which equals a kernel
 that accumulates the exact products in fp32, up to accumulation order. No
 Transformer Engine kernel is wired in here; this emulation is the reference
@@ -33,9 +38,13 @@ and gradients then turn non-finite and the trainer skips the step.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-from megatron_composer.quant.formats import MXFP8_BLOCK, NVFP4_BLOCK, fake_quantize, pad_to_block
+from megatron_composer.quant.formats import MXFP8_BLOCK, NVFP4_BLOCK, pad_to_block
+from megatron_composer.quant.ops import fake_quantize
+from megatron_composer.quant.weights import QuantizedWeight
 
 PRECISIONS = ("bf16", "mxfp8", "nvfp4", "nvfp4_per_tensor")
 _FORWARD_BLOCK = {"mxfp8": MXFP8_BLOCK, "nvfp4": NVFP4_BLOCK, "nvfp4_per_tensor": NVFP4_BLOCK}
@@ -75,34 +84,41 @@ def check_quantized_linear_shapes(x: torch.Tensor, weight: torch.Tensor, precisi
         )
 
 
-def quantized_forward(x: torch.Tensor, weight: torch.Tensor, precision: str) -> torch.Tensor:
+def quantized_forward(x: torch.Tensor, weight: torch.Tensor, precision: str,
+                      cached: Optional[QuantizedWeight] = None) -> torch.Tensor:
     """Forward GEMM with both operands quantized along `in`.
 
     Args:
         x: [tokens, in] float32/bfloat16/float16.
         weight: [out, in] float32/bfloat16/float16.
         precision: "mxfp8", "nvfp4" or "nvfp4_per_tensor".
+        cached: weight's quantized operands, or None to quantize it here.
     Returns:
         [tokens, out] float32.
     """
     x_q = fake_quantize(x, precision, torch.float32)
-    w_q = fake_quantize(weight, precision, torch.float32)
+    w_q = cached.forward(weight, precision) if cached is not None else fake_quantize(weight, precision, torch.float32)
     return x_q @ w_q.t()
 
 
-def mxfp8_dgrad(grad_out: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def mxfp8_dgrad(grad_out: torch.Tensor, weight: torch.Tensor,
+                cached: Optional[QuantizedWeight] = None) -> torch.Tensor:
     """dx = dy @ w with MXFP8 operands blocked along `out`.
 
     Args:
         grad_out: [tokens, out] float32/bfloat16/float16, out a multiple of 32.
         weight: [out, in] float32/bfloat16/float16.
+        cached: weight's quantized operands, or None to quantize it here.
     Returns:
         [tokens, in] float32.
     """
     dy_q = fake_quantize(grad_out, "mxfp8", torch.float32)
     # [in, out], blocks along out. Contiguous, so the matmul's operand layout (hence its
     # summation order, hence its bits) never depends on the strides the quantizer passes through.
-    w_t_q = fake_quantize(weight.t().contiguous(), "mxfp8", torch.float32)
+    if cached is not None:
+        w_t_q = cached.dgrad(weight)
+    else:
+        w_t_q = fake_quantize(weight.t().contiguous(), "mxfp8", torch.float32)
     return dy_q @ w_t_q.t()
 
 
@@ -125,21 +141,24 @@ class QuantizedLinearFunction(torch.autograd.Function):
     """Autograd wrapper: quantized forward, MXFP8 backward from the saved high-precision operands."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, precision: str) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, precision: str,
+                cached: Optional[QuantizedWeight] = None) -> torch.Tensor:
         """x: [tokens, in], weight: [out, in]; returns [tokens, out] in x.dtype."""
         ctx.save_for_backward(x, weight)
-        return quantized_forward(x, weight, precision).to(x.dtype)
+        ctx.cached = cached
+        return quantized_forward(x, weight, precision, cached).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         """grad_out: [tokens, out]; returns dx in x.dtype, dw in weight.dtype."""
         x, weight = ctx.saved_tensors
-        dx = mxfp8_dgrad(grad_out, weight).to(x.dtype) if ctx.needs_input_grad[0] else None
+        dx = mxfp8_dgrad(grad_out, weight, ctx.cached).to(x.dtype) if ctx.needs_input_grad[0] else None
         dw = mxfp8_wgrad(grad_out, x).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        return dx, dw, None
+        return dx, dw, None, None
 
 
-def quantized_linear(x: torch.Tensor, weight: torch.Tensor, precision: str = "nvfp4") -> torch.Tensor:
+def quantized_linear(x: torch.Tensor, weight: torch.Tensor, precision: str = "nvfp4",
+                     cached: Optional[QuantizedWeight] = None) -> torch.Tensor:
     """Expert GEMM y = x @ weight.T in a low-precision recipe.
 
     precision:
@@ -158,11 +177,13 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, precision: str = "nv
         x: [..., in] float32/bfloat16/float16; leading dims are tokens.
         weight: [out, in] float32/bfloat16/float16.
         precision: one of PRECISIONS.
+        cached: `WeightQuantCache.get(weight)`, the weight's operands quantized
+            once per optimizer step; None quantizes the weight here. Same result.
     Returns:
         [..., out] in x.dtype (computed in fp32 for quantized precisions).
     """
     check_quantized_linear_shapes(x, weight, precision)
     if precision == "bf16":
         return torch.nn.functional.linear(x, weight.to(x.dtype))
-    y = QuantizedLinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, precision)
+    y = QuantizedLinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, precision, cached)
     return y.reshape(*x.shape[:-1], weight.shape[0])
