@@ -7,7 +7,8 @@ import megatron.core
 import pytest
 import torch
 
-from megatron_composer.platform.doctor import _te_in_range, gpu_generation
+from megatron_composer.platform.doctor import _te_in_range
+from megatron_composer.platform.recipes import generation as gpu_generation
 
 
 @pytest.mark.parametrize("capability, name", [

@@ -28,23 +28,6 @@ MEGATRON_CORE = "0.16.1"
 # What megatron-core 0.16.1 supports (and the `[gpu]` extra pins).
 TE_RANGE = ((2, 9), (2, 12))
 
-_GENERATIONS = {
-    (7, 0): "Volta", (7, 2): "Volta", (7, 5): "Turing",
-    (8, 0): "Ampere", (8, 6): "Ampere", (8, 7): "Ampere", (8, 9): "Ada",
-    (9, 0): "Hopper",
-    (10, 0): "Blackwell", (10, 1): "Blackwell", (10, 3): "Blackwell Ultra",
-    (11, 0): "Blackwell (Thor)", (12, 0): "Blackwell (GeForce / RTX PRO)", (12, 1): "Blackwell (GB10)",
-}
-
-
-def gpu_generation(capability: tuple[int, int]) -> str:
-    """NVIDIA architecture name of a CUDA compute capability, e.g. (9, 0) -> "Hopper"."""
-    if tuple(capability) in _GENERATIONS:
-        return _GENERATIONS[tuple(capability)]
-    major = capability[0]
-    return {7: "Volta/Turing", 8: "Ampere/Ada", 9: "Hopper", 10: "Blackwell", 12: "Blackwell"}.get(
-        major, f"unknown (sm_{capability[0]}{capability[1]})")
-
 
 def _version(distribution: str, module: str):
     """Installed version of a package, or None when it does not import."""
@@ -70,7 +53,7 @@ def report() -> dict:
     """Everything the doctor prints, as a dict (see `--json`)."""
     import torch
 
-    from .recipes import available_recipes
+    from .recipes import available_recipes, generation
 
     cuda = torch.cuda.is_available()
     te = (_version("transformer_engine", "transformer_engine")
@@ -97,7 +80,7 @@ def report() -> dict:
         tensor_recipes = available_recipes(cap)
         info["gpus"].append({
             "index": i, "name": props.name, "capability": f"{cap[0]}.{cap[1]}",
-            "generation": gpu_generation(cap), "memory_gib": round(props.total_memory / 2**30, 1),
+            "generation": generation(cap), "memory_gib": round(props.total_memory / 2**30, 1),
             "bf16": torch.cuda.is_bf16_supported(),
             "te_recipes": tensor_recipes if te else [],
             "te_recipes_with_te_installed": tensor_recipes,

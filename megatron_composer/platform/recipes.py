@@ -33,18 +33,23 @@ _NEEDS = {
 }
 
 
+_GENERATIONS = {
+    (7, 0): "Volta", (7, 2): "Volta", (7, 5): "Turing",
+    (8, 0): "Ampere", (8, 6): "Ampere", (8, 7): "Ampere", (8, 9): "Ada",
+    (9, 0): "Hopper",
+    (10, 0): "Blackwell", (10, 1): "Blackwell", (10, 3): "Blackwell Ultra",
+    (11, 0): "Blackwell (Thor)", (12, 0): "Blackwell (GeForce / RTX PRO)", (12, 1): "Blackwell (GB10)",
+}
+
+
 def generation(capability: tuple[int, int]) -> str:
-    """The GPU generation's name for a CUDA compute capability (major, minor)."""
-    major, minor = capability
-    if major >= 10:
-        return "Blackwell"
-    if major == 9:
-        return "Hopper"
-    if (major, minor) >= (8, 9):
-        return "Ada"
-    if major == 8:
-        return "Ampere"
-    return "pre-Ampere"
+    """NVIDIA architecture name of a CUDA compute capability, e.g. (9, 0) -> "Hopper"."""
+    capability = tuple(capability)
+    if capability in _GENERATIONS:
+        return _GENERATIONS[capability]
+    major = capability[0]
+    family = {7: "Volta/Turing", 8: "Ampere/Ada", 9: "Hopper", 10: "Blackwell", 12: "Blackwell"}.get(major)
+    return f"{family or 'unknown'} (sm_{capability[0]}{capability[1]})"
 
 
 def available_recipes(capability: tuple[int, int]) -> list[str]:
