@@ -37,6 +37,18 @@ def test_batch_to_moves_every_tensor_and_keeps_max_seqlen_an_int():
     assert batch.to(torch.device("cpu")) is batch
 
 
+def test_moved_packed_batch_gives_its_cp_layout_without_reading_the_device():
+    """CP attention asks every layer for the zigzag layout; on a moved batch the
+    document lengths come from the host copy (meta tensors cannot be read at all)."""
+    from megatron_composer.parallel import ZigzagLayout
+
+    rows = [sample_dict(torch.arange(8), torch.arange(1, 9), torch.ones(8), [0, 4, 8]),
+            sample_dict(torch.arange(8), torch.arange(1, 9), torch.ones(8), [0, 8])]
+    moved = collate(rows, reset_attention_mask=True).to(torch.device("meta"))
+    layout = ZigzagLayout.for_local_tokens(8, 2, moved.packed_seq_params)
+    assert layout.doc_lengths == (4, 4, 8)
+
+
 # ---------------------------------------------------------------- rng files
 def _tracker():
     from megatron.core.tensor_parallel import get_cuda_rng_tracker

@@ -66,6 +66,27 @@ class Segment:
     k_end: int
 
 
+# Attribute under which `packed_doc_lengths` memoizes on a PackedSeqParams.
+DOC_LENGTHS_ATTR = "_composer_doc_lengths"
+
+
+def packed_doc_lengths(packed_seq_params) -> tuple[int, ...]:
+    """Document lengths of packed ("thd") params, from cu_seqlens(_padded).
+
+    Memoized on the params object: every CP attention layer asks for the
+    layout, and reading device cu_seqlens is a host sync. `training.Batch.to`
+    records the lengths from the host copy before moving a batch, so a step
+    on CUDA reads none from the device.
+    """
+    lengths = getattr(packed_seq_params, DOC_LENGTHS_ATTR, None)
+    if lengths is None:
+        cu = packed_seq_params.cu_seqlens_q_padded
+        if cu is None:
+            cu = packed_seq_params.cu_seqlens_q
+        lengths = tuple((cu[1:] - cu[:-1]).tolist())
+        setattr(packed_seq_params, DOC_LENGTHS_ATTR, lengths)
+    return lengths
+
 @dataclass(frozen=True)
 class ZigzagLayout:
     """How the tokens of one micro-batch row are spread over the CP ranks.
@@ -97,10 +118,7 @@ class ZigzagLayout:
         plain from the local length (the sequence is local_length * cp_size)."""
         if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
             return cls((local_length * cp_size,), cp_size, scheme)
-        cu = packed_seq_params.cu_seqlens_q_padded
-        if cu is None:
-            cu = packed_seq_params.cu_seqlens_q
-        layout = cls(tuple((cu[1:] - cu[:-1]).tolist()), cp_size, scheme)
+        layout = cls(packed_doc_lengths(packed_seq_params), cp_size, scheme)
         if layout.total_length != local_length * cp_size:
             raise ValueError(
                 f"packed cu_seqlens cover {layout.total_length} tokens, but this rank holds "

@@ -16,6 +16,7 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from ..data import collate_packed
+from ..parallel.zigzag import DOC_LENGTHS_ATTR, packed_doc_lengths
 
 
 @dataclass
@@ -47,9 +48,12 @@ class Batch:
 
         params = self.packed_seq_params
         if params is not None:
+            lengths = packed_doc_lengths(params) if params.qkv_format == "thd" else None  # read on the host
             params = dataclasses.replace(params, **{f.name: move(getattr(params, f.name))
                                                     for f in dataclasses.fields(params)
                                                     if torch.is_tensor(getattr(params, f.name))})
+            if lengths is not None:
+                setattr(params, DOC_LENGTHS_ATTR, lengths)
         fields = ("tokens", "labels", "loss_mask", "position_ids", "segment_ids")
         return dataclasses.replace(self, packed_seq_params=params, **{f: move(getattr(self, f)) for f in fields})
 
