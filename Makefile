@@ -24,7 +24,7 @@ demo: $(STAMP)
 
 # The CPU suite stays on CPU (gloo) on a GPU machine too; `make test-gpu` is the device suite.
 test: $(STAMP)
-	CUDA_VISIBLE_DEVICES= $(PY) -m pytest -q -m "not gpu"
+	CUDA_VISIBLE_DEVICES= $(PY) -m pytest -q --durations=25 -m "not gpu"
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -rs -m gpu
