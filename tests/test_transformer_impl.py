@@ -317,7 +317,7 @@ def test_te_spec_builds_from_te_modules():
 
     model = build_model(TINY, impl=impl, params_dtype=torch.bfloat16)
     names = {n for n, _ in model.named_parameters()}
-    # The local spec's names, except the grouped experts' weight{i}.
+    # The local spec's names, except the grouped experts' weight{i} (stored alike: checkpoint.state).
     assert "decoder.layers.0.self_attention.q_layernorm.weight" in names or TINY.q_lora_rank is None
     assert "decoder.layers.1.self_attention.kv_layernorm.weight" in names
     assert "decoder.layers.0.pre_mlp_layernorm.weight" in names
@@ -349,6 +349,30 @@ def test_te_and_local_give_close_losses():
     assert not unexpected and all(k.endswith("_extra_state") for k in missing), (missing, unexpected)
     a, b = local.step().lm_loss, te.step().lm_loss
     assert abs(a - b) < 0.02 * abs(a), (a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.te
+def test_te_checkpoint_loads_into_a_local_model(tmp_path):
+    """A TE model's checkpoint (TEGroupedMLP experts, `linear_fc1.weight{i}`) loads into
+    a local-impl model (`local_experts.{i}.linear_fc1.weight`): the same fp32 logits."""
+    from megatron_composer import checkpoint as ck
+    from megatron_composer.models import build_model, composer_forward
+
+    layout = _init_parallel()
+    te = build_model(TINY, layout, seq_length=64, impl=TransformerImplConfig("transformer_engine")).cuda()
+    assert "decoder.layers.1.mlp.experts.linear_fc1.weight0" in dict(te.named_parameters())
+    ck.save_checkpoint(str(tmp_path), 1, te, None, {})
+    local = build_model(TINY, layout, seq_length=64).cuda()
+    with torch.no_grad():
+        for p in local.parameters():
+            p.add_(torch.randn_like(p))  # so that only the load can make the two agree
+    ck.load_checkpoint(str(tmp_path), local)
+    tokens = torch.randint(0, TINY.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0)).cuda()
+    positions = torch.arange(64, device="cuda").expand(2, 64)
+    with torch.no_grad():
+        te_logits, local_logits = (composer_forward(m.eval(), tokens, positions)[0] for m in (te, local))
+    torch.testing.assert_close(local_logits.float(), te_logits.float(), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu

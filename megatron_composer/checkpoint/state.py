@@ -3,7 +3,13 @@
 Every tensor is stored under its *global* name: an expert that lives on EP
 rank r as `local_experts.{i}` is stored as `experts.{r * local + i}`, so a
 checkpoint written with one expert-parallel size loads under another
-(DCP reads each rank's keys from wherever they were written). Optimizer
+(DCP reads each rank's keys from wherever they were written). The name does
+not depend on the transformer implementation either: megatron-core's
+TEGroupedMLP (`--transformer-impl transformer_engine`) holds local expert i
+as `experts.linear_fc1.weight{i}`, the same [out, in] tensor as
+SequentialMLP's `experts.local_experts.{i}.linear_fc1.weight` (fc1 of a
+SwiGLU is [gate; up] in both), and both are stored as
+`experts.{r * local + i}.linear_fc1.weight` (`expert_param_parts`). Optimizer
 state is keyed `{global param name}/{state key}`. Replicated tensors (dense
 weights under data parallelism) are written once; FSDP2 DTensors are
 written as their global tensors.
@@ -27,7 +33,9 @@ from megatron.core import parallel_state
 from ..parallel.wrappers import unwrap
 from .tracker import CheckpointError
 
-_LOCAL_EXPERT = re.compile(r"^(.*\.experts\.)local_experts\.(\d+)\.(.*)$")
+# A routed expert's parameter as SequentialMLP (local spec, ours too) and TEGroupedMLP name it.
+_LOCAL_EXPERT = re.compile(r"^(.*\.experts\.)local_experts\.(\d+)\.(.+)$")
+_TE_GROUPED_EXPERT = re.compile(r"^(.*\.experts\.)(linear_fc[12]\.(?:weight|bias))(\d+)$")
 # State tensors each optimizer class keeps per parameter (beyond a scalar
 # step), to size a checkpoint before the first step has created any state.
 _STATE_COPIES = {"Adam": 2, "AdamW": 2, "Muon": 1, "ShardedMuon": 1, "SGD": 1}
@@ -47,15 +55,37 @@ def _expert_offset(gpt) -> int:
     return rank * (num_experts // ep)
 
 
+def expert_param_parts(name: str) -> Optional[tuple[str, int, str]]:
+    """(prefix, local expert index, suffix) of a routed expert's parameter name; None for other names.
+
+    `decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight` (SequentialMLP)
+    and `decoder.layers.1.mlp.experts.linear_fc1.weight3` (TEGroupedMLP) both give
+    (`decoder.layers.1.mlp.experts.`, 3, `linear_fc1.weight`).
+    """
+    m = _LOCAL_EXPERT.match(name)
+    if m:
+        return m.group(1), int(m.group(2)), m.group(3)
+    m = _TE_GROUPED_EXPERT.match(name)
+    if m:
+        return m.group(1), int(m.group(3)), m.group(2)
+    return None
+
+
+def expert_global_name(name: str, offset: int = 0) -> str:
+    """`name` with a routed expert's local index i as `experts.{offset + i}.`; other names unchanged."""
+    parts = expert_param_parts(name)
+    if parts is None:
+        return name
+    prefix, index, suffix = parts
+    return f"{prefix}{offset + index}.{suffix}"
+
+
 def global_param_names(model) -> dict[str, str]:
     """Map each local parameter/buffer name to its layout-independent name."""
     gpt = unwrap(model)
     offset = _expert_offset(gpt)
-    names = {}
-    for name in list(dict(gpt.named_parameters())) + list(dict(gpt.named_buffers())):
-        m = _LOCAL_EXPERT.match(name)
-        names[name] = f"{m.group(1)}{offset + int(m.group(2))}.{m.group(3)}" if m else name
-    return names
+    return {name: expert_global_name(name, offset)
+            for name in list(dict(gpt.named_parameters())) + list(dict(gpt.named_buffers()))}
 
 
 def param_global_names(model) -> dict[torch.nn.Parameter, str]:
@@ -193,7 +223,7 @@ def _global_bytes(tensor: torch.Tensor) -> int:
 
 
 def _expert_factor(local_name: str) -> int:
-    return _expert_parallel()[0] if _LOCAL_EXPERT.match(local_name) else 1
+    return _expert_parallel()[0] if expert_param_parts(local_name) else 1
 
 
 def _state_copies(optimizer, group: dict) -> int:

@@ -1,5 +1,11 @@
 """Tensor names: published DeepSeek-V3 / Kimi-K2 safetensors <-> our checkpoint.
 
+Our side is the checkpoint's stored names (`checkpoint.state`): routed
+experts by global index E, whichever implementation held them
+(SequentialMLP's `local_experts.{i}.linear_fc1.weight` and TEGroupedMLP's
+`linear_fc1.weight{i}` are stored alike), so the map below serves
+checkpoints of both `--transformer-impl`s.
+
 Every megatron-core tensor is its HF tensor(s) concatenated along dim 0:
 
     model.embed_tokens                      embedding.word_embeddings

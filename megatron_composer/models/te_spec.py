@@ -16,7 +16,10 @@
 * routed experts: megatron-core's `TEGroupedMLP` (`moe_grouped_gemm`, one TE
   grouped GEMM per linear) for unquantized experts. Its parameters are
   `experts.linear_fc{1,2}.weight{i}`, not the local spec's
-  `experts.local_experts.{i}.linear_fc{1,2}.weight`. With
+  `experts.local_experts.{i}.linear_fc{1,2}.weight`, but hold the same
+  tensors; checkpoints store both under one global-expert name
+  (`checkpoint.state.expert_param_parts`), so a TE checkpoint loads into a
+  local-impl model and converts to HF like any other. With
   `--moe-expert-precision nvfp4/mxfp8` our `QuantizedSequentialMLP` (local
   linears through `quant.quantized_linear`) is plugged in instead.
 

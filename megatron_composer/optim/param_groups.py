@@ -40,6 +40,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 from torch import Tensor
 
+from megatron_composer.checkpoint.state import expert_global_name
 from megatron_composer.optim.muon import Muon, Split
 from megatron_composer.optim.sharded_muon import ShardedMuon
 
@@ -73,7 +74,7 @@ _LEGACY_GROUPED = re.compile(r"mlp\.experts\.weight[12]$")
 _Q_UP = re.compile(r"self_attention\.(linear_q_up_proj|linear_q_proj)\.weight$")
 _KV_UP = re.compile(r"self_attention\.linear_kv_up_proj\.weight$")
 _O_PROJ = re.compile(r"self_attention\.linear_proj\.weight$")
-_FC1 = re.compile(r"linear_fc1\.weight\d*$")
+_FC1 = re.compile(r"linear_fc1\.weight$")
 
 
 def muon_split(
@@ -108,7 +109,7 @@ def muon_split(
     if _O_PROJ.search(name):
         _expect(name, shape, 1, g.num_heads * g.v_head_dim, "num_heads*v_head_dim", g)
         return "muon", {"cols": g.num_heads}
-    if gated_linear_unit and _FC1.search(name):
+    if gated_linear_unit and _FC1.search(expert_global_name(name)):  # TEGroupedMLP: `weight{e}`
         if shape[0] % 2:
             raise ValueError(f"{name} {tuple(shape)}: a SwiGLU fc1 has an even number of rows (gate; up); "
                              f"pass gated_linear_unit=False for a plain MLP")
