@@ -30,7 +30,7 @@ start=$SECONDS
 step() {  # step NAME TIMEOUT_S CMD...: run, tee the log, remember the result
     local name=$1 limit=$2; shift 2
     echo; echo "=== $name ($(date -u +%H:%M:%S), limit ${limit}s)"
-    timeout "$limit" "$@" 2>&1 | tee "$out/$name.log"
+    if declare -F "$1" >/dev/null; then "$@"; else timeout "$limit" "$@"; fi 2>&1 | tee "$out/$name.log"
     local rc=${PIPESTATUS[0]}
     status+=("$name: $([ "$rc" = 0 ] && echo ok || echo "FAILED (exit $rc)")")
     return "$rc"
@@ -53,8 +53,9 @@ install_missing() {
     "$PY" -m pip install --quiet --no-index --no-deps --find-links "$wheels" --target "$site" "${need[@]}"
 }
 
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "nvidia-smi: not found"
 step install 120 install_missing || { printf '%s\n' "${status[@]}"; exit 1; }
+step cuda 60 "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device visible: the gpu tests would all skip'; print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'CUDA', torch.version.cuda)"
 step doctor 60 "$PY" -m megatron_composer.platform.doctor
 step pytest-gpu 330 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider --junitxml "$out/gpu-tests.xml"
 step bench-gpu-step 150 "$PY" benchmarks/gpu_step.py --steps 8
@@ -65,5 +66,6 @@ printf '  %s\n' "${status[@]}"
 grep -E "passed|failed|error" "$out/pytest-gpu.log" | tail -1 | sed 's/^/  pytest: /'
 grep -E "^SKIPPED" "$out/pytest-gpu.log" | sed 's/^/  /'
 grep -hE "^(ratio|MFU|gpu|GPU)" "$out/bench-gpu-step.log" "$out/bench-quant.log" 2>/dev/null | sed 's/^/  /'
+grep -qE "[0-9]+ passed" "$out/pytest-gpu.log" || { echo "  no gpu test passed"; exit 1; }
 for s in "${status[@]}"; do [[ $s == *FAILED* ]] && exit 1; done
 exit 0
