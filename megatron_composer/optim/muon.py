@@ -221,9 +221,8 @@ def is_uniform(grid: tuple[tuple[int, ...], tuple[int, ...]]) -> bool:
 
 def grid_view(mats: Tensor, grid) -> Tensor:
     """[B, m, n] contiguous -> [B, R, C, m/R, n/C] view of a uniform grid's blocks."""
-    (rows, cols), (B, m, n) = grid, mats.shape
-    R, C = len(rows), len(cols)
-    return mats.view(B, R, rows[0], C, cols[0]).transpose(2, 3)
+    rows, cols = grid
+    return mats.view(mats.shape[0], len(rows), rows[0], len(cols), cols[0]).transpose(2, 3)
 
 
 # ---------------------------------------------------------------- update rule
