@@ -23,6 +23,30 @@ from dataclasses import asdict
 from .. import checkpoint as ckpt
 
 
+def check_paths(load, save) -> None:
+    """The checks that need no model, run before any data or model is built:
+    `--save` is a writable directory, `--load` names a checkpoint (or is the
+    first launch of the resume idiom `--save D --load D`). The free-space check
+    against the checkpoint size comes later (`Checkpointer.prepare_save_dir`)."""
+    if save:
+        ckpt.check_save_dir(save, 0)
+    if load:
+        kind = ckpt.load_target_kind(load)
+        if kind != "checkpoint":
+            _nothing_to_load(load, save, kind)
+
+
+def _nothing_to_load(load, save, kind: str) -> bool:
+    """True for the first launch of `--save D --load D`; raise for a --load
+    that names no checkpoint."""
+    if save is not None and os.path.realpath(load) == os.path.realpath(save):
+        return True
+    what = "does not exist" if kind == "missing" else "is an empty directory"
+    raise ckpt.CheckpointError(
+        f"--load {load} {what}: no checkpoint to load. Point --load at a directory written by "
+        f"--save (it holds {ckpt.TRACKER}), or drop --load to train from scratch")
+
+
 class Checkpointer:
     def __init__(self, trainer):
         self.trainer = trainer
@@ -59,17 +83,10 @@ class Checkpointer:
 
     # ---- load ---------------------------------------------------------------
     def _nothing_to_load(self, kind: str) -> bool:
-        """True for the first launch of `--save D --load D`; raise for a --load
-        that names no checkpoint."""
-        load, save = self.cfg.load, self.cfg.save
-        same = save is not None and os.path.realpath(load) == os.path.realpath(save)
-        if same:
+        load = self.cfg.load
+        if _nothing_to_load(load, self.cfg.save, kind):
             self._print(f" no checkpoint in --load {load} yet (it is also --save): training from scratch")
-            return True
-        what = "does not exist" if kind == "missing" else "is an empty directory"
-        raise ckpt.CheckpointError(
-            f"--load {load} {what}: no checkpoint to load. Point --load at a directory written by "
-            f"--save (it holds {ckpt.TRACKER}), or drop --load to train from scratch")
+        return True
 
     def resume(self) -> None:
         t, load = self.trainer, self.cfg.load

@@ -10,6 +10,7 @@ from ..config import TrainingConfig, count_parameters, get_stage, model_config_f
 from ..config.stages import tokenizer_sets_vocab
 from ..parallel import ParallelLayout
 from ..platform import init_distributed
+from .checkpointer import check_paths
 from .arguments import explicit_model_overrides, model_config_from_args, parse_args
 from .data import build_datasets, stage_data
 from .logger import TrainingLogger
@@ -45,6 +46,7 @@ def pretrain(argv: Optional[list[str]] = None) -> Trainer:
     cfg = TrainingConfig.from_args(args)
     env = init_distributed(timeout_minutes=args.distributed_timeout_minutes)
     log = TrainingLogger(env.rank)
+    check_paths(args.load, args.save)  # before hours of data and model building
     stage = get_stage(args.stage)
     log.print(f"> stage {stage.name}: {stage.description}; preset {args.model_preset}, "
               f"seq-length {args.seq_length}, world size {env.world_size} ({env.launcher}, "
