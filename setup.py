@@ -36,7 +36,6 @@ setup(
         "sentencepiece",
         "safetensors",
         "tensorboard",
-        "wandb",
         "tqdm",
         "xxhash",  # checkpoint file checksums
     ],
@@ -47,6 +46,8 @@ setup(
         # What megatron-core 0.16.1 supports. Never the PyPI package named
         # `apex`: it is an unrelated project.
         "gpu": ["transformer-engine[pytorch]>=2.9,<2.12", "pyyaml"],
+        # optional: megatron-core imports wandb whenever it is installed (~1 s per process)
+        "wandb": ["wandb"],
         "rl": ["ray"],
     },
     entry_points={"console_scripts": ["megatron-composer-cpt=pretrain_cpt:main"]},

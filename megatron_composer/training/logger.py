@@ -34,7 +34,11 @@ class TrainingLogger:
             self.tb = SummaryWriter(log_dir=tensorboard_dir)
         if wandb_project:
             os.environ.setdefault("WANDB_MODE", "offline")  # no account or network needed
-            import wandb
+            try:
+                import wandb
+            except ImportError:
+                raise ValueError(f"--wandb-project {wandb_project} needs wandb, which is not installed: "
+                                 "pip install wandb (or pip install -e '.[wandb]'), or drop --wandb-project") from None
 
             self.wandb = wandb.init(project=wandb_project, name=wandb_name, dir=wandb_dir,
                                     config=config or {}, reinit=True)
