@@ -22,9 +22,6 @@ RECOMPUTE = {
     "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
 }
 RUNS = [(2, "plain"), (2, "packed"), (1, "packed")]
-# megatron-core 0.16.1's MTP layer hands PackedSeqParams to its checkpoint function
-# as a tensor argument under full recompute, which fails for packed batches.
-UNSUPPORTED = {("full", "packed")}
 
 
 def saved_bytes(saved, exclude=()) -> int:
@@ -86,7 +83,7 @@ def _body(rank, world):
                 state = {k: v.clone() for k, v in model_state_dict(model).items()}
             load_model_state_dict(model, state)
             for run_cp, name in RUNS:
-                if run_cp == cp and (mode, name) not in UNSUPPORTED:
+                if run_cp == cp:
                     results[(cp, name, mode)] = _step(model, _batch(**CASES[name]), cp)
     return results
 
@@ -103,8 +100,6 @@ def _rel_err(a, b):
 @pytest.mark.parametrize("mode", ["mla_up_proj", "core_attn", "full"])
 @pytest.mark.parametrize("cp,name", RUNS)
 def test_recompute_keeps_outputs_and_gradients_and_saves_memory(runs, cp, name, mode):
-    if (mode, name) in UNSUPPORTED:
-        pytest.skip("megatron-core 0.16.1 MTP cannot fully recompute packed batches")
     for results in runs:
         logits, grads, nbytes = results[(cp, name, mode)]
         ref_logits, ref_grads, ref_nbytes = results[(cp, name, "none")]
