@@ -17,9 +17,9 @@ from megatron_composer.training.losses import lm_loss, mtp_cross_entropy_loss, m
 RTOL = 1e-6
 
 
-def _close(actual, expected, name=""):
+def _close(actual, expected, name="", rtol=RTOL):
     err = (actual.double() - expected.double()).norm().item()
-    assert err <= RTOL * expected.double().norm().item(), f"{name}: |diff| {err:.3g} of {expected.norm():.3g}"
+    assert err <= rtol * expected.double().norm().item(), f"{name}: |diff| {err:.3g} of {expected.norm():.3g}"
 
 
 def _valid_by_hand(loss_mask, segment_ids, depth):

@@ -12,24 +12,7 @@ from torch.utils._pytree import tree_flatten
 from megatron_composer.training import losses
 from megatron_composer.training.losses import lm_loss, mtp_cross_entropy_loss, mtp_self_distillation_loss
 from tests.distributed import run_distributed
-
-RTOL = 1e-6
-
-
-def _close(actual, expected, name="", rtol=RTOL):
-    err = (actual.double() - expected.double()).norm().item()
-    assert err <= rtol * expected.double().norm().item(), f"{name}: |diff| {err:.3g} of {expected.norm():.3g}"
-
-
-def _valid_by_hand(loss_mask, segment_ids, depth):
-    """1 where position t has a counted label at t + depth in the same document."""
-    b, s = loss_mask.shape
-    valid = torch.zeros(b, s)
-    for i in range(b):
-        for t in range(s - depth):
-            if segment_ids[i, t] == segment_ids[i, t + depth]:
-                valid[i, t] = loss_mask[i, t + depth]
-    return valid
+from tests.test_losses import RTOL, _close, _valid_by_hand  # the shared hand-written references
 
 
 def _sbv(b, s, v, g, dtype=torch.float32):
