@@ -206,7 +206,8 @@ class Trainer:
         shifts = [self.shift_for(b) for b in host]  # plans read cu_seqlens on the host
         batches = [b.to(self.device) for b in host]
         counts = self.global_counts(batches, shifts)
-        # fp32 like the Python floats they replace (exact: counts < 2**24); no sync before the forward
+        # fp32: the Python floats they replace entered the fp32 loss ops as fp32 too (exact: counts
+        # < 2**24); no host sync before the forward
         denominators = counts.clamp(min=1.0).float()
         totals = torch.zeros(len(self.loss_plugins), dtype=torch.float64, device=self.device)
         self.model.zero_grad()
