@@ -257,7 +257,17 @@ class Engine:
                 if not self.has_unfinished():
                     self._wake.wait(timeout=0.1)
                     continue
-            self.step()
+            try:
+                self.step()
+            except Exception as exc:  # a failed step fails its requests, never the loop
+                self._fail_running(exc)
+
+    def _fail_running(self, exc: BaseException) -> None:
+        with self._lock:
+            for req in list(self._running):
+                self._running.remove(req)
+                self._free_slots.append(req.slot)
+                req.handle._finish(None, RuntimeError(f"generation failed: {exc!r}"))
 
     # ------------------------------------------------------------ weights
     def update_weights(self, source, version: Optional[int] = None) -> int:

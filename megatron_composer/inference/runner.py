@@ -24,9 +24,9 @@ with a cache is ours:
    megatron-core `RouterReplay` in record mode).
 
 Requests are "segments" (cache slot, first position, number of new tokens);
-one forward runs every segment's tokens as one flat batch. Decode segments
-(one token each) attend in one batched matmul; longer ones (prefill chunks,
-speculative verification) attend through SDPA with the causal offset.
+one forward runs every segment's tokens as one flat batch. Short segments
+of equal length (decode tokens, speculative verification) attend in one
+batched matmul; prompt chunks attend through SDPA with the causal offset.
 Supports the local layer spec at TP = CP = PP = 1.
 """
 from __future__ import annotations
@@ -42,6 +42,10 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
 from ..parallel.wrappers import unwrap
+
+
+# Segments up to this many new tokens attend batched (decode, verification); longer ones through SDPA.
+_BATCHED_QUERIES = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,34 +230,53 @@ class ModelRunner:
         return out if bias is None else out + bias
 
     def _attend(self, query, segments, cache, scale, rank):
-        """Absorbed attention of every segment's queries over its cached latents -> [T, heads, rank]."""
+        """Absorbed attention of every segment's queries over its cached latents -> [T, heads, rank].
+
+        Short segments (decode tokens, speculative verification) of equal length attend
+        in one batched matmul; prompt chunks attend one by one through SDPA.
+        """
         out = query.new_empty(query.shape[0], query.shape[1], rank)
         offsets, total = [], 0
         for seg in segments:
             offsets.append(total)
             total += seg.length
-        decode = [i for i, seg in enumerate(segments) if seg.length == 1]
-        if decode:
-            rows = torch.tensor([offsets[i] for i in decode], device=query.device)
-            ends = torch.tensor([segments[i].start + 1 for i in decode], device=query.device)
-            slots = torch.tensor([segments[i].slot for i in decode], device=query.device)
-            longest = max(segments[i].start + 1 for i in decode)
-            keys = cache[:, :longest].index_select(0, slots)  # [B, L, rank + dr]
-            scores = torch.einsum("bhk,blk->bhl", query.index_select(0, rows), keys).float() * scale
-            valid = torch.arange(longest, device=query.device)[None] < ends[:, None]
-            probs = torch.softmax(scores.masked_fill(~valid[:, None], float("-inf")), dim=-1)
-            out[rows] = torch.einsum("bhl,blc->bhc", probs.to(keys.dtype), keys[..., :rank])
+        groups: dict[int, list[int]] = {}
         for i, seg in enumerate(segments):
-            if seg.length == 1:
-                continue
-            q = query[offsets[i]:offsets[i] + seg.length].transpose(0, 1).unsqueeze(0)  # [1, heads, n, .]
-            end = seg.start + seg.length
-            keys = cache[seg.slot, :end]
-            heads = q.shape[1]
-            k = keys.view(1, 1, end, -1).expand(1, heads, end, keys.shape[-1])
-            v = keys[:, :rank].reshape(1, 1, end, rank).expand(1, heads, end, rank)
-            positions = torch.arange(seg.start, end, device=query.device)
-            mask = torch.arange(end, device=query.device)[None] <= positions[:, None]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-            out[offsets[i]:offsets[i] + seg.length] = o[0].transpose(0, 1)
+            if seg.length <= _BATCHED_QUERIES:
+                groups.setdefault(seg.length, []).append(i)
+            else:
+                self._attend_chunk(query, out, offsets[i], seg, cache, scale, rank)
+        for n, members in groups.items():
+            self._attend_batched(query, out, [offsets[i] for i in members], [segments[i] for i in members],
+                                 n, cache, scale, rank)
         return out
+
+    @staticmethod
+    def _attend_batched(query, out, offsets, segments, n, cache, scale, rank):
+        device = query.device
+        rows = (torch.tensor(offsets, device=device)[:, None] + torch.arange(n, device=device)).reshape(-1)
+        starts = torch.tensor([seg.start for seg in segments], device=device)
+        slots = torch.tensor([seg.slot for seg in segments], device=device)
+        longest = max(seg.start for seg in segments) + n
+        keys = cache[:, :longest].index_select(0, slots)  # [B, L, rank + dr]
+        q = query.index_select(0, rows).view(len(segments), n, *query.shape[1:])  # [B, n, heads, .]
+        scores = torch.einsum("bnhk,blk->bhnl", q, keys).float() * scale
+        query_pos = starts[:, None] + torch.arange(n, device=device)  # [B, n]
+        visible = torch.arange(longest, device=device)[None, None] <= query_pos[:, :, None]  # [B, n, L]
+        probs = torch.softmax(scores.masked_fill(~visible[:, None], float("-inf")), dim=-1)
+        o = torch.einsum("bhnl,blc->bnhc", probs.to(keys.dtype), keys[..., :rank])
+        out[rows] = o.reshape(-1, *o.shape[2:])
+
+    @staticmethod
+    def _attend_chunk(query, out, offset, seg, cache, scale, rank):
+        device = query.device
+        q = query[offset:offset + seg.length].transpose(0, 1).unsqueeze(0)  # [1, heads, n, .]
+        end = seg.start + seg.length
+        keys = cache[seg.slot, :end]
+        heads = q.shape[1]
+        k = keys.view(1, 1, end, -1).expand(1, heads, end, keys.shape[-1])
+        v = keys[:, :rank].reshape(1, 1, end, rank).expand(1, heads, end, rank)
+        positions = torch.arange(seg.start, end, device=device)
+        mask = torch.arange(end, device=device)[None] <= positions[:, None]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        out[offset:offset + seg.length] = o[0].transpose(0, 1)
