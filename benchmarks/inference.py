@@ -20,7 +20,9 @@ each in turn, `--repeats` times) and medians are reported, so load from other
 jobs on a shared machine hits both alike. "tokens/s" counts generated tokens
 over the whole call (prefill included); "decode tokens/s" removes the
 prefill by subtracting the median time of a 1-token generation of the same
-prompts. The ratio is ours / transformers. It also prints the fraction of
+prompts. The ratio is ours / transformers; "cpu" is the same ratio of
+process CPU time (less sensitive than wall-clock time to other jobs on a
+shared machine). It also prints the fraction of
 greedy tokens on which the two agree (the models are the same, so they differ
 only where fp32 reassociation flips a near-tie) and the KV-cache bytes per
 token: our latents, per-head K and V expanded, and what transformers'
@@ -109,24 +111,26 @@ def hf_cache_bytes_per_token(hf, prompt: torch.Tensor) -> int:
     return total // prompt.shape[1]
 
 
-def timed(fn, *args) -> float:
-    start = time.perf_counter()
+def timed(fn, *args) -> tuple[float, float]:
+    """(wall-clock, process CPU) seconds of one call."""
+    wall, cpu = time.perf_counter(), time.process_time()
     fn(*args)
-    return time.perf_counter() - start
+    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 def bench_batch(hf, engine, prompts, new_tokens: int, repeats: int) -> dict:
-    """Median seconds of `new_tokens` and of 1-token generations, both sides interleaved."""
-    runs = {"hf": ([], []), "ours": ([], [])}
+    """{side: {"wall" | "cpu": (median seconds of `new_tokens`, of 1-token generations)}}, interleaved."""
+    runs = {name: {"full": [], "single": []} for name in ("hf", "ours")}
     fns = {"hf": hf_generate, "ours": ours_generate}
     model = {"hf": hf, "ours": engine}
     for name in fns:  # warm-up (first-call allocations, the engine's cache)
         fns[name](model[name], prompts, new_tokens)
     for _ in range(repeats):
-        for name, (full, single) in runs.items():
-            full.append(timed(fns[name], model[name], prompts, new_tokens))
-            single.append(timed(fns[name], model[name], prompts, 1))
-    return {name: (statistics.median(full), statistics.median(single)) for name, (full, single) in runs.items()}
+        for name, run in runs.items():
+            run["full"].append(timed(fns[name], model[name], prompts, new_tokens))
+            run["single"].append(timed(fns[name], model[name], prompts, 1))
+    return {name: {clock: tuple(statistics.median(t[i] for t in run[kind]) for kind in ("full", "single"))
+                   for i, clock in enumerate(("wall", "cpu"))} for name, run in runs.items()}
 
 
 def main() -> None:
@@ -151,12 +155,14 @@ def main() -> None:
         same, prefix = greedy_agreement(hf_generate(hf, prompts, args.new_tokens),
                                         ours_generate(engine, prompts, args.new_tokens))
         t = bench_batch(hf, engine, prompts, args.new_tokens, args.repeats)
-        rate = {k: batch * args.new_tokens / full for k, (full, _) in t.items()}
-        decode = {k: batch * (args.new_tokens - 1) / (full - single) for k, (full, single) in t.items()}
-        print(f"batch {batch:2d}: tokens/s ours {rate['ours']:8.1f}  transformers {rate['hf']:8.1f}  "
-              f"ratio {rate['ours'] / rate['hf']:.2f}x | decode tokens/s ours {decode['ours']:8.1f}  "
-              f"transformers {decode['hf']:8.1f}  ratio {decode['ours'] / decode['hf']:.2f}x | "
-              f"greedy tokens equal {same:.3f} (agreeing prefix {prefix:.3f})")
+        rate = {k: batch * args.new_tokens / v["wall"][0] for k, v in t.items()}
+        decode = {k: batch * (args.new_tokens - 1) / (v["wall"][0] - v["wall"][1]) for k, v in t.items()}
+        cpu = t["hf"]["cpu"][0] / t["ours"]["cpu"][0]
+        cpu_decode = (t["hf"]["cpu"][0] - t["hf"]["cpu"][1]) / (t["ours"]["cpu"][0] - t["ours"]["cpu"][1])
+        print(f"batch {batch:2d}: tokens/s ours {rate['ours']:7.1f}  transformers {rate['hf']:7.1f}  "
+              f"ratio {rate['ours'] / rate['hf']:.2f}x (cpu {cpu:.2f}x) | decode tokens/s ours "
+              f"{decode['ours']:7.1f}  transformers {decode['hf']:7.1f}  ratio {decode['ours'] / decode['hf']:.2f}x "
+              f"(cpu {cpu_decode:.2f}x) | greedy tokens equal {same:.3f} (agreeing prefix {prefix:.3f})")
     kv = engine.kv_cache_bytes_per_token()
     hf_kv = hf_cache_bytes_per_token(hf, torch.randint(0, vocab, (1, args.prompt_len), generator=g))
     print(f"KV cache bytes per token (4 layers, fp32): ours latent {kv['latent']}, per-head K+V expanded "

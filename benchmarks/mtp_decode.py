@@ -14,12 +14,18 @@ token, the trunk verifies it in a 2-token forward). Greedy speculative output
 equals plain greedy output token for token (checked and printed); at
 temperature 1 each emitted token is distributed as plain sampling's.
 
+Greedy decoding of the tiny demo model soon repeats a line over and over,
+which the MTP head predicts almost always, so greedy acceptance is an upper
+bound; the temperature-1 acceptance is the one representative of sampled
+rollouts.
+
 Prompts are the first `--prompt-len` tokens of validation documents
 (data/stdlib_valid: held-out standard-library modules), one request at a
 time (batch 1), `--new-tokens` each with no stop token. Plain and
 speculative runs of each checkpoint and temperature are interleaved
 `--repeats` times; the speedup is the ratio of median wall-clock times for
-all prompts. Also printed: the verification steps' mean time against a
+all prompts ("cpu": of process CPU times, less sensitive to other jobs on a
+shared machine). Also printed: the verification steps' mean time against a
 plain decoding step's (speedup = tokens per step x plain step / spec step).
 """
 from __future__ import annotations
@@ -56,7 +62,7 @@ def validation_prompts(data_dir: str, count: int, length: int, min_length: int) 
 def run(engine, prompts, params) -> dict:
     """Generate for each prompt alone (batch 1); wall seconds, tokens, engine steps and spec stats."""
     tokens, steps, proposed, accepted, outputs = 0, 0, 0, 0, []
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for prompt in prompts:
         before = engine.steps
         completion = engine.generate([prompt], params)[0]
@@ -66,8 +72,8 @@ def run(engine, prompts, params) -> dict:
         if completion.speculative is not None:
             proposed += completion.speculative.proposed
             accepted += completion.speculative.accepted
-    seconds = time.perf_counter() - start
-    return {"seconds": seconds, "tokens": tokens, "steps": steps, "proposed": proposed,
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    return {"seconds": seconds, "cpu": cpu, "tokens": tokens, "steps": steps, "proposed": proposed,
             "accepted": accepted, "outputs": outputs}
 
 
@@ -78,6 +84,7 @@ def compare(engine, prompts, new_tokens: int, temperature: float, repeats: int) 
     kinds = {name: SamplingParams(max_tokens=new_tokens, temperature=temperature, seed=0, speculative=spec)
              for name, spec in (("plain", None), ("mtp", "mtp"))}
     times = {name: [] for name in kinds}
+    cpu = {name: [] for name in kinds}
     last = {}
     for name, params in kinds.items():  # warm-up
         run(engine, prompts[:1], params)
@@ -85,7 +92,9 @@ def compare(engine, prompts, new_tokens: int, temperature: float, repeats: int) 
         for name, params in kinds.items():
             last[name] = run(engine, prompts, params)
             times[name].append(last[name]["seconds"])
-    return {name: dict(last[name], seconds=statistics.median(times[name])) for name in kinds}
+            cpu[name].append(last[name]["cpu"])
+    return {name: dict(last[name], seconds=statistics.median(times[name]), cpu=statistics.median(cpu[name]))
+            for name in kinds}
 
 
 def report(label: str, temperature: float, result: dict, prompts: int) -> str:
@@ -96,7 +105,8 @@ def report(label: str, temperature: float, result: dict, prompts: int) -> str:
     mtp_step = mtp["seconds"] / mtp["steps"]
     tokens_per_step = (mtp["tokens"] - prompts) / (mtp["steps"] - prompts)
     line = (f"{label:13s} T={temperature:g}: acceptance {acceptance:.3f} | tokens/s plain {plain['tokens'] / plain['seconds']:6.1f}"
-            f"  mtp {mtp['tokens'] / mtp['seconds']:6.1f}  speedup {plain['seconds'] / mtp['seconds']:.2f}x | "
+            f"  mtp {mtp['tokens'] / mtp['seconds']:6.1f}  speedup {plain['seconds'] / mtp['seconds']:.2f}x "
+            f"(cpu {plain['cpu'] / mtp['cpu']:.2f}x) | "
             f"step ms plain {1e3 * plain_step:5.1f}  mtp {1e3 * mtp_step:5.1f}  "
             f"(x{mtp_step / plain_step:.2f}), tokens per mtp step {tokens_per_step:.2f}")
     if temperature == 0:
