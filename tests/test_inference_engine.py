@@ -71,6 +71,20 @@ def test_kv_cache_decode_equals_full_recomputation(model):
         assert out.sampling_logprobs == [0.0] * GREEDY.max_tokens  # greedy: a point mass
 
 
+def test_dispatch_free_moe_equals_megatron_moe_layer(model):
+    from megatron_composer.inference.runner import ModelRunner
+
+    runner = ModelRunner(model, 1, 16)
+    layers = [layer for layer in runner.layers if runner._mlp[layer] == runner._moe]
+    assert layers, "the test model's MoE layers should take the dispatcher-free path"
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for tokens in (1, 2, 17):
+            x = torch.randn(tokens, 1, SMALL.hidden_size, generator=g)
+            for layer in layers:
+                assert torch.equal(runner._moe(layer.mlp, x)[0], layer.mlp(x)[0])
+
+
 def test_batched_equals_unbatched_and_chunked_prefill_equals_whole(model):
     batch = Engine(model, SMALL, max_model_len=128).generate(prompts(), GREEDY)
     chunked = Engine(model, SMALL, max_model_len=128, prefill_chunk_size=4).generate(prompts(), GREEDY)
