@@ -1,6 +1,6 @@
 """Decode tokens/s of our inference engine against transformers' `generate()`.
 
-    python benchmarks/inference.py [--prompt-len 32] [--new-tokens 64] [--repeats 5] [--batch-sizes 1 16]
+    python benchmarks/inference.py [--prompt-len 32] [--new-tokens 64] [--repeats 5] [--batch-sizes 1 16] [--threads N]
 
 Both run in this one process on the same model: a random transformers
 `DeepseekV3ForCausalLM` the size of our `tiny` preset (hidden 128, 4 layers,
@@ -139,7 +139,11 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch intra-op threads (0: torch's default); 1 is steadier on a busy machine")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.new_tokens < 2:
         raise SystemExit(f"--new-tokens {args.new_tokens}: decode tokens/s needs at least 2; use e.g. 64")
 

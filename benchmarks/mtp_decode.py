@@ -1,7 +1,7 @@
 """MTP speculative decoding at batch 1: acceptance rate and speedup over plain decoding.
 
     python benchmarks/mtp_decode.py [--self-distilled runs/tiny/mtp_self-distill] [--ce runs/tiny/mtp_ce]
-                                    [--prompts 8] [--prompt-len 64] [--new-tokens 64] [--repeats 3]
+                                    [--prompts 8] [--prompt-len 64] [--new-tokens 64] [--repeats 3] [--threads N]
 
 The checkpoints are the tiny demo trunk (`make demo`, runs/tiny/cpt_32k) with
 its MTP layer trained on the frozen trunk by `examples/tiny/mtp_distill.sh`,
@@ -125,7 +125,11 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch intra-op threads (0: torch's default); 1 is steadier on a busy machine")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     for flag, path in (("--self-distilled", args.self_distilled), ("--ce", args.ce)):
         if not os.path.exists(os.path.join(path, "latest_checkpointed_iteration.txt")):
             raise SystemExit(f"{flag} {path}: no checkpoint there; run `make demo` and then "
