@@ -152,9 +152,9 @@ def default_normalizer(num_groups: int, max_new_tokens: int) -> float:
 
 
 def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
-    """sum(values * mask) / max(sum(mask), 1); 0 when nothing is masked in."""
-    mask = mask.to(values.dtype)
-    return (values * mask).sum() / mask.sum().clamp(min=1.0)
+    """sum over mask != 0 of values / max(count, 1); 0 when nothing is masked in. Masked-out NaNs are ignored."""
+    keep = mask.bool()
+    return torch.where(keep, values, 0.0).sum() / keep.sum().clamp(min=1).to(values.dtype)
 
 
 def token_entropy(logits: Tensor) -> Tensor:
@@ -266,7 +266,7 @@ def policy_gradient_loss(
         per_token = per_token * tis_weight
         metrics["tis_weight_mean"] = masked_mean(tis_weight, mask)
     if ref_logp is not None:
-        kl = kl_estimate(logp, torch.where(keep, ref_logp, logp.detach()), kl_kind)
+        kl = kl_estimate(torch.where(keep, logp, 0.0), torch.where(keep, ref_logp, 0.0), kl_kind)
         if kl_coef:
             per_token = per_token + kl_coef * kl
         metrics["kl"] = masked_mean(kl.detach(), mask)
