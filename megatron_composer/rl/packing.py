@@ -20,6 +20,7 @@ every rank computes the same plan from the same lengths without communicating.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from typing import Sequence
 
@@ -30,6 +31,7 @@ from ..config.model import ModelConfig, training_flops_per_token
 # A refinement step must lower the heaviest bin by more than this fraction of
 # the gap it closes; it keeps float rounding from cycling.
 _MIN_RELATIVE_GAIN = 1e-12
+_PAIRS_UP_TO = 64
 
 
 def _check_lengths(lengths: Sequence[int]) -> list[int]:
@@ -67,9 +69,15 @@ def _lpt(costs: list[float], num_bins: int) -> tuple[list[list[int]], list[float
 
 
 def _subsets(items: list[int], costs: np.ndarray) -> tuple[list[tuple[int, ...]], np.ndarray]:
-    """The subsets of at most two positions of `items` (the empty one first) and their costs."""
-    subsets = [()] + [(a,) for a in range(len(items))]
-    subsets += [(a, b) for a in range(len(items)) for b in range(a + 1, len(items))]
+    """The subsets of `items` positions to exchange, the empty one first, and their costs.
+
+    Single sequences always; pairs too while the bin holds at most _PAIRS_UP_TO
+    sequences (with more, single moves and swaps leave little to gain).
+    """
+    n = len(items)
+    subsets = [()] + [(a,) for a in range(n)]
+    if n <= _PAIRS_UP_TO:
+        subsets += list(itertools.combinations(range(n), 2))
     c = costs[items] if items else np.zeros(0)
     return subsets, np.array([sum(c[p] for p in s) for s in subsets], dtype=np.float64)
 
@@ -77,22 +85,26 @@ def _subsets(items: list[int], costs: np.ndarray) -> tuple[list[tuple[int, ...]]
 def _best_exchange(heavy: list[int], light: list[int], costs: np.ndarray, gap: float):
     """The exchange between two bins that lowers the heavier one most, keeping the lighter below it.
 
-    Exchanging a set S of at most two sequences of the heavy bin for a set R of
-    at most two of the light one (d = cost(S) - cost(R); moves and swaps are the
-    cases |R| = 0 and |S| = |R| = 1) turns loads (H, H - gap) into
-    (H - d, H - gap + d); the larger is H - min(d, gap - d), so the best
-    exchange maximizes min(d, gap - d) over 0 < d < gap.
-    Returns (positions in heavy, positions in light) or None.
+    Exchanging a set S of the heavy bin's sequences for a set R of the light
+    one's (d = cost(S) - cost(R); a move is R empty, a swap |S| = |R| = 1)
+    turns loads (H, H - gap) into (H - d, H - gap + d); the larger is
+    H - min(d, gap - d), so the best exchange has d closest to gap / 2 within
+    (0, gap). For each S, the two R nearest cost(S) - gap / 2 are found by
+    binary search. Returns (positions in heavy, positions in light) or None.
     """
     out_sets, out_costs = _subsets(heavy, costs)
     back_sets, back_costs = _subsets(light, costs)
-    d = out_costs[:, None] - back_costs[None, :]
+    order = np.argsort(back_costs, kind="stable")
+    sorted_back = back_costs[order]
+    nearest = np.searchsorted(sorted_back, out_costs - gap / 2)
+    candidates = np.stack([np.clip(nearest - 1, 0, None), np.clip(nearest, None, sorted_back.size - 1)], axis=1)
+    d = out_costs[:, None] - sorted_back[candidates]
     gain = np.minimum(d, gap - d)
-    flat = int(np.argmax(gain))  # first maximum in row-major order: deterministic
-    s, r = divmod(flat, back_costs.size)
-    if gain[s, r] <= _MIN_RELATIVE_GAIN * gap:
+    flat = int(np.argmax(gain))  # first maximum: deterministic
+    s, j = divmod(flat, 2)
+    if gain[s, j] <= _MIN_RELATIVE_GAIN * gap:
         return None
-    return out_sets[s], back_sets[r]
+    return out_sets[s], back_sets[order[candidates[s, j]]]
 
 
 def _refine(bins: list[list[int]], loads: list[float], costs: np.ndarray, max_rounds: int) -> None:
