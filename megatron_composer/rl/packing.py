@@ -19,8 +19,8 @@ every rank computes the same plan from the same lengths without communicating.
 """
 from __future__ import annotations
 
+import functools
 import heapq
-import itertools
 import math
 from typing import Sequence
 
@@ -32,6 +32,9 @@ from ..config.model import ModelConfig, training_flops_per_token
 # the gap it closes; it keeps float rounding from cycling.
 _MIN_RELATIVE_GAIN = 1e-12
 _PAIRS_UP_TO = 64
+# Refinement stops once the heaviest bin is within this fraction of the lower
+# bound max(largest sequence, mean bin cost); the FLOP model is coarser than that.
+_CLOSE_ENOUGH = 1e-4
 
 
 def _check_lengths(lengths: Sequence[int]) -> list[int]:
@@ -68,18 +71,30 @@ def _lpt(costs: list[float], num_bins: int) -> tuple[list[list[int]], list[float
     return bins, loads
 
 
-def _subsets(items: list[int], costs: np.ndarray) -> tuple[list[tuple[int, ...]], np.ndarray]:
-    """The subsets of `items` positions to exchange, the empty one first, and their costs.
+@functools.lru_cache(maxsize=None)
+def _pairs(n: int) -> tuple[np.ndarray, np.ndarray]:
+    return np.triu_indices(n, 1) if n <= _PAIRS_UP_TO else (np.zeros(0, np.int64), np.zeros(0, np.int64))
 
-    Single sequences always; pairs too while the bin holds at most _PAIRS_UP_TO
-    sequences (with more, single moves and swaps leave little to gain).
+
+def _subset_costs(items: list[int], costs: np.ndarray) -> np.ndarray:
+    """Costs of the subsets of a bin that may be exchanged: [empty, each sequence, each pair].
+
+    Pairs only while the bin holds at most _PAIRS_UP_TO sequences (with more,
+    single moves and swaps leave little to gain).
     """
-    n = len(items)
-    subsets = [()] + [(a,) for a in range(n)]
-    if n <= _PAIRS_UP_TO:
-        subsets += list(itertools.combinations(range(n), 2))
     c = costs[items] if items else np.zeros(0)
-    return subsets, np.array([sum(c[p] for p in s) for s in subsets], dtype=np.float64)
+    first, second = _pairs(len(items))
+    return np.concatenate(([0.0], c, c[first] + c[second]))
+
+
+def _subset_positions(n: int, k: int) -> tuple[int, ...]:
+    """Positions in the bin of subset k of `_subset_costs`."""
+    if k == 0:
+        return ()
+    if k <= n:
+        return (k - 1,)
+    first, second = _pairs(n)
+    return int(first[k - 1 - n]), int(second[k - 1 - n])
 
 
 def _best_exchange(heavy: list[int], light: list[int], costs: np.ndarray, gap: float):
@@ -92,8 +107,8 @@ def _best_exchange(heavy: list[int], light: list[int], costs: np.ndarray, gap: f
     (0, gap). For each S, the two R nearest cost(S) - gap / 2 are found by
     binary search. Returns (positions in heavy, positions in light) or None.
     """
-    out_sets, out_costs = _subsets(heavy, costs)
-    back_sets, back_costs = _subsets(light, costs)
+    out_costs = _subset_costs(heavy, costs)
+    back_costs = _subset_costs(light, costs)
     order = np.argsort(back_costs, kind="stable")
     sorted_back = back_costs[order]
     nearest = np.searchsorted(sorted_back, out_costs - gap / 2)
@@ -104,14 +119,18 @@ def _best_exchange(heavy: list[int], light: list[int], costs: np.ndarray, gap: f
     s, j = divmod(flat, 2)
     if gain[s, j] <= _MIN_RELATIVE_GAIN * gap:
         return None
-    return out_sets[s], back_sets[order[candidates[s, j]]]
+    return _subset_positions(len(heavy), s), _subset_positions(len(light), int(order[candidates[s, j]]))
 
 
 def _refine(bins: list[list[int]], loads: list[float], costs: np.ndarray, max_rounds: int) -> None:
-    """Lower the heaviest bin by exchanges with the lightest bin that allows one, until none does."""
+    """Lower the heaviest bin by exchanges with the lightest bin that allows one, until none does
+    or it is within _CLOSE_ENOUGH of the lower bound."""
     num_bins = len(bins)
+    lower_bound = max(float(costs.max(initial=0.0)), sum(loads) / num_bins)
     for _ in range(max_rounds):
         heavy = max(range(num_bins), key=lambda b: (loads[b], -b))
+        if loads[heavy] <= lower_bound * (1 + _CLOSE_ENOUGH):
+            return
         for light in sorted(range(num_bins), key=lambda b: (loads[b], b)):
             gap = loads[heavy] - loads[light]
             if gap <= 0:
