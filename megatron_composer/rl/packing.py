@@ -8,9 +8,9 @@ step the loop plans the whole batch at once:
 1. cost of a sequence of L tokens: cost(L) = linear_cost * L + quadratic_cost * L^2
    (`attention_costs` derives both from the model shape);
 2. `pack_balanced` splits the sequences over the DP ranks, minimizing the
-   largest rank cost: longest-processing-time first (LPT), then pairwise
-   moves and swaps between the heaviest rank and lighter ones while they
-   lower the heaviest rank's cost;
+   largest rank cost: longest-processing-time first (LPT), then exchanges of
+   up to two sequences each way between the heaviest rank and lighter ones
+   while they lower the heaviest rank's cost;
 3. `pack_micro_batches` packs each rank's sequences into micro-batches under
    a token budget (first-fit decreasing); `plan_step` does 2 and 3.
 
@@ -31,6 +31,7 @@ from ..config.model import ModelConfig, training_flops_per_token
 # A refinement step must lower the heaviest bin by more than this fraction of
 # the gap it closes; it keeps float rounding from cycling.
 _MIN_RELATIVE_GAIN = 1e-12
+# Exchanges move pairs of sequences too while a bin holds at most this many.
 _PAIRS_UP_TO = 64
 # Refinement stops once the heaviest bin is within this fraction of the lower
 # bound max(largest sequence, mean bin cost); the FLOP model is coarser than that.
@@ -155,8 +156,10 @@ def pack_balanced(lengths: Sequence[int], num_bins: int, *, linear_cost: float =
     """Split sequences into `num_bins` bins minimizing the largest bin cost.
 
     Bin cost = sum of cost(L) = linear_cost * L + quadratic_cost * L^2 over its
-    sequences. LPT (within 4/3 of the optimum), then refinement by moves and
-    swaps between the heaviest bin and lighter ones.
+    sequences. LPT (within 4/3 of the optimum), then refinement by exchanges
+    of up to two sequences each way between the heaviest bin and lighter ones,
+    until none helps or the heaviest bin is within 1e-4 of the lower bound
+    max(largest sequence cost, mean bin cost).
 
     lengths: token counts, one per sequence. Returns, for each bin, the sorted
     indices of its sequences; every index appears exactly once (bins may be
