@@ -27,7 +27,7 @@ Requests are "segments" (cache slot, first position, number of new tokens);
 one forward runs every segment's tokens as one flat batch. Short segments
 of equal length (decode tokens, speculative verification) attend in one
 batched matmul; prompt chunks attend through SDPA with the causal offset.
-Supports the local layer spec at TP = CP = PP = 1.
+Supports the local layer spec at TP = PP = EP = 1 (any CP: weights are replicated over it).
 """
 from __future__ import annotations
 
@@ -136,8 +136,10 @@ class ModelRunner:
     def __init__(self, model, num_slots: int, max_len: int):
         gpt = unwrap(model)
         cfg = gpt.config
-        for name, size in (("tensor", cfg.tensor_model_parallel_size), ("context", cfg.context_parallel_size),
-                           ("pipeline", cfg.pipeline_model_parallel_size)):
+        # Context parallelism replicates every weight, so a CP model decodes whole
+        # sequences on each rank (its CP attention's forward is never called).
+        for name, size in (("tensor", cfg.tensor_model_parallel_size), ("pipeline", cfg.pipeline_model_parallel_size),
+                           ("expert", cfg.expert_model_parallel_size)):
             if size != 1:
                 raise ValueError(f"the inference engine runs one model replica per process; got {name}-parallel "
                                  f"size {size}; build the engine's model with {name}-parallel size 1")
