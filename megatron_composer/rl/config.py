@@ -48,5 +48,9 @@ class RLConfig:
             raise ValueError(f"--kl-coef {self.kl_coef} must be >= 0")
         if self.temperature <= 0:
             raise ValueError(f"--temperature {self.temperature}: RL samples (> 0); greedy groups have no variance")
+        from .rewards import LengthPenaltyConfig, parse_reward_weights
+
+        parse_reward_weights(self.reward)
+        LengthPenaltyConfig(k=self.length_penalty_k, q=self.length_penalty_q)
         if not 0 <= self.replay_plausibility_threshold <= 1:
             raise ValueError(f"--replay-plausibility-threshold {self.replay_plausibility_threshold}; use [0, 1]")
