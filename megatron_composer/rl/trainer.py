@@ -226,6 +226,8 @@ class RLTrainer(Trainer):
                    "completion length": float(lengths.mean()),
                    "truncated fraction": sum(s.finish_reason == "length" for s in samples) / len(samples)}
         metrics.update({f"reward {name}": float(v.mean()) for name, v in per_term.items()})
+        for key in sorted({k for s in samples for k in s.rewards}):  # the task's own verdicts
+            metrics[f"task {key}"] = sum(s.rewards.get(key, 0.0) for s in samples) / len(samples)
         if self.reference is not None:
             metrics["kl to reference"] = float(kl_sums.sum() / lengths.sum().clamp(min=1))
         return metrics

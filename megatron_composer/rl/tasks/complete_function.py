@@ -4,9 +4,15 @@ Prompts are the "complete this function" conversations of the synthetic SFT
 set (`data.synthetic_sft`: a stdlib function's signature and docstring, the
 held-out split), so a model after `--stage sft` knows the format. The
 completion is the code in its ```python fence (up to the closing fence, or
-all of it when the fence never closes); the sample is correct when
-`header + body` parses with `ast` and the body has a statement besides a
-docstring. Scoring runs `ast.parse` in-process: parsing executes nothing.
+all of it when the fence never closes). Its verdict:
+
+    parses       1.0 when `header + body` parses with `ast` as one function with a
+                 statement besides its docstring, else 0.0
+    correctness  1.0 when it parses; otherwise partial credit, 0.5 x the fraction of
+                 the body's non-empty lines that parse on their own (so a model that
+                 cannot yet write a whole function still gets a graded signal)
+
+Scoring runs `ast.parse` in-process: parsing executes nothing.
 """
 from __future__ import annotations
 
@@ -49,6 +55,14 @@ def parses_with_body(header: str, body: str) -> bool:
     return bool(statements)
 
 
+def _statement_parses(line: str) -> bool:
+    try:
+        ast.parse(line.strip())
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return False
+    return True
+
+
 class CompleteFunctionTask:
     """Complete-the-function prompts from a stdlib split (deterministic order; the held-out split for evaluation)."""
 
@@ -79,5 +93,9 @@ class CompleteFunctionTask:
         return self._prompts
 
     def verify(self, prompt: TaskPrompt, completion: str) -> dict[str, float]:
-        """{"correctness": 1.0 when the completed function parses with a body, else 0.0}."""
-        return {"correctness": float(parses_with_body(prompt.header, completion_code(completion)))}
+        """{"correctness": graded, "parses": 0 or 1} (module docstring)."""
+        code = completion_code(completion)
+        if parses_with_body(prompt.header, code):
+            return {"correctness": 1.0, "parses": 1.0}
+        lines = [line for line in code.split("\n") if line.strip()]
+        return {"correctness": 0.5 * sum(map(_statement_parses, lines)) / max(1, len(lines)), "parses": 0.0}
