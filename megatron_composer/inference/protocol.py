@@ -26,11 +26,14 @@ token including a stop token, so they line up with `token_ids`.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
+import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..data.tool_calls import parse_tool_calls
 from .params import SamplingParams
 
 MAX_TOP_LOGPROBS = 20
@@ -77,6 +80,12 @@ class _Request(BaseModel):
 class CompletionRequest(_Request):
     """`POST /v1/completions`: OpenAI's legacy completions, prompts as text or token ids."""
 
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"prompt": "def fib(n):", "max_tokens": 8, "temperature": 0},
+        {"prompt": [[1, 2, 3], [4, 5]], "max_tokens": 4, "n": 2, "logprobs": 2, "return_routed_experts": True},
+        {"prompt": [7, 8], "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True},
+         "top_k": 5, "seed": 3, "stop_token_ids": [2], "speculative": "mtp"}]})
+
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         description="text, token ids, or a list of either (one choice set per prompt)")
     logprobs: int | None = Field(None, description="log-probs of the generated tokens and the n most likely")
@@ -95,6 +104,16 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Request):
     """`POST /v1/chat/completions`, rendered with our chat template and tool-call format."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "logprobs": True, "top_logprobs": 2},
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "ls?"},
+                      {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
+                          "name": "sh", "arguments": "{\"cmd\": \"ls\"}"}}]},
+                      {"role": "tool", "tool_call_id": "c1", "content": "a.py"}],
+         "max_completion_tokens": 4, "stream": True},
+        {"messages": [{"role": "user", "content": "weather?"}], "max_tokens": 2, "tool_choice": "auto",
+         "tools": [{"type": "function", "function": {"name": "weather"}}]}]})
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
@@ -181,6 +200,12 @@ def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
 
 
 # ------------------------------------------------------------------ text
+def decode(tokenizer, ids) -> str:
+    """Text of `ids`; ids past the tokenizer's pieces (a model vocabulary padded beyond the
+    tokenizer) have none."""
+    return tokenizer.decode([t for t in ids if t < tokenizer.vocab_size])
+
+
 class TextStream:
     """The text of a growing completion, in pieces that never need taking back.
 
@@ -199,7 +224,7 @@ class TextStream:
             return ""
         if finish_reason == "stop" and ids and ids[-1] in self.stop_ids:
             ids = ids[:-1]
-        text = self.tokenizer.decode(ids)
+        text = decode(self.tokenizer, ids)
         cuts = [i for i in (text.find(s) for s in self.stop) if i >= 0]
         return text[:min(cuts)] if cuts else text
 
@@ -227,7 +252,7 @@ class TextStream:
 
 def token_text(tokenizer, token: int, as_ids: bool) -> tuple[str, list[int]]:
     """(the token as logprobs show it, its UTF-8 bytes): a byte-fallback piece is its one byte."""
-    if as_ids or tokenizer is None:
+    if as_ids or tokenizer is None or token >= tokenizer.vocab_size:
         text = f"token_id:{token}"
         return text, list(text.encode())
     match = _BYTE_PIECE.match(tokenizer.id_to_piece(token))
@@ -268,7 +293,29 @@ def choice_extensions(completion, with_experts: bool) -> dict:
     """The extension fields every choice carries (see the module docstring of `server.py`)."""
     fields = {"token_ids": list(completion.token_ids), "prompt_token_ids": list(completion.prompt_token_ids),
               "policy_versions": list(completion.policy_versions)}
+    if completion.sampling_logprobs:
+        fields["sampling_logprobs"] = list(completion.sampling_logprobs)
     if with_experts:
         experts = completion.routed_experts
         fields["routed_experts"] = None if experts is None else experts.tolist()
     return fields
+
+
+def tool_calls_json(calls) -> list[dict]:
+    """OpenAI `tool_calls` of parsed `ToolCall`s: id, type "function", arguments as a JSON string."""
+    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+             "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
+            for c in calls]
+
+
+def chat_message(text: str, with_tools: bool) -> tuple[dict, bool]:
+    """(the assistant message of a reply, whether it calls tools). With tools the
+    `<tool_call>` blocks become OpenAI `tool_calls` and leave the content (None
+    when nothing else is left); a malformed block stays in the content."""
+    calls = []
+    if with_tools:
+        text, calls, _ = parse_tool_calls(text)
+    message = {"role": "assistant", "content": text if text or not calls else None}
+    if calls:
+        message["tool_calls"] = tool_calls_json(calls)
+    return message, bool(calls)

@@ -15,9 +15,10 @@ Endpoints:
     GET  /openapi.json, /docs
 
 Every choice also carries `token_ids` (generated ids), `prompt_token_ids`,
-`policy_versions` (the weights version behind each generated token) and,
-when the request sets `return_routed_experts`, `routed_experts`: a nested
-list [prompt + generated tokens][MoE layer][top-k] (`Completion.routed_experts`).
+`policy_versions` (the weights version behind each generated token), with
+logprobs `sampling_logprobs` (`Completion.sampling_logprobs`) and, when the
+request sets `return_routed_experts`, `routed_experts`: a nested list
+[prompt + generated tokens][MoE layer][top-k] (`Completion.routed_experts`).
 `protocol.py` has the request fields and how they map to `SamplingParams`.
 
 How requests run: `create_app` starts the engine's background loop. Every
@@ -60,16 +61,19 @@ from .protocol import (
     TextStream,
     WeightsRequest,
     chat_logprobs,
+    chat_message,
     choice_extensions,
     choice_params,
     completion_logprobs,
     error_body,
     sampling_params,
+    tool_calls_json,
     validation_message,
 )
 
 OWNED_BY = "megatron-composer"
 DEFAULT_MAX_CHOICES = 128
+_WATCH_SECONDS = 1.0
 _log = logging.getLogger(__name__)
 _ERROR_RESPONSES = {400: {"description": "a malformed request; OpenAI's error body names the bad value"}}
 
@@ -100,10 +104,20 @@ class _Choices:
         return self
 
     async def events(self):
-        """(choice index, GenerationEvent) until every choice has finished."""
+        """(choice index, GenerationEvent) until every choice has finished.
+
+        A failed engine step finishes its requests with an error and no event,
+        so a quiet queue is a cue to look at the handles.
+        """
         remaining = len(self.handles)
         while remaining:
-            index, event = await self.queue.get()
+            try:
+                index, event = await asyncio.wait_for(self.queue.get(), _WATCH_SECONDS)
+            except asyncio.TimeoutError:  # noqa: UP041 - not the builtin one on Python 3.10
+                for handle in self.handles:
+                    if handle.done():
+                        handle.result(timeout=0)  # raises the engine's error, if any
+                continue
             remaining -= event.finished
             yield index, event
 
@@ -215,6 +229,7 @@ class _Server:
                                                    event.top_logprobs, req.return_tokens_as_token_ids, offsets[i])
                     offsets[i] += sum(len(t) for t in logprobs["tokens"])
                     choice["logprobs"] = logprobs
+                    choice["sampling_logprobs"] = event.sampling_logprobs
                 if len(ids[i]) == len(event.token_ids) and event.token_ids:
                     choice["prompt_token_ids"] = list(choices.specs[i][0])
                 if event.finished and req.return_routed_experts:
@@ -255,12 +270,6 @@ class _Server:
         top = (req.top_logprobs or 0) if req.logprobs else None
         return sampling_params(req, max_tokens=max_tokens, top_logprobs=top, stop_ids=self._end_ids(chat=True))
 
-    @staticmethod
-    def _tool_calls(calls) -> list[dict]:
-        return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                 "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
-                for c in calls]
-
     async def chat(self, req: ChatCompletionRequest):
         self._check_model(req.model)
         prompt, with_tools = self._chat_prompt(req)
@@ -278,12 +287,7 @@ class _Server:
         out = []
         results = await choices.completions()
         for i, c in enumerate(results):
-            content, calls = text().full_text(c.token_ids, c.finish_reason), []
-            if with_tools:
-                content, calls, _ = parse_tool_calls(content)
-            message = {"role": "assistant", "content": content if content or not calls else None}
-            if calls:
-                message["tool_calls"] = self._tool_calls(calls)
+            message, calls = chat_message(text().full_text(c.token_ids, c.finish_reason), with_tools)
             logprobs = None
             if params.logprobs:
                 logprobs = chat_logprobs(self.tokenizer, c.token_ids, c.logprobs, c.top_logprobs,
@@ -301,7 +305,7 @@ class _Server:
         rest, calls, _ = parse_tool_calls(full[len(shown):])
         delta = {"content": rest} if rest else {}
         if calls:
-            delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(self._tool_calls(calls))]
+            delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(tool_calls_json(calls))]
             finish = "tool_calls"
         return delta, finish
 
@@ -325,6 +329,7 @@ class _Server:
                 if event.token_ids and req.logprobs:
                     choice["logprobs"] = chat_logprobs(self.tokenizer, event.token_ids, event.logprobs,
                                                        event.top_logprobs, req.return_tokens_as_token_ids)
+                    choice["sampling_logprobs"] = event.sampling_logprobs
                 if len(ids[i]) == len(event.token_ids) and event.token_ids:
                     choice["prompt_token_ids"] = list(choices.specs[i][0])
                 if event.finished and req.return_routed_experts:
@@ -347,7 +352,7 @@ class _Server:
                 source = {name: {"indices": torch.tensor(d.indices, dtype=torch.long),
                                  "values": torch.tensor(d.values, dtype=torch.float32)}
                           for name, d in req.delta.items()}
-            except (RuntimeError, OverflowError) as exc:
+            except (RuntimeError, ValueError, OverflowError) as exc:
                 raise RequestError(f"delta indices or values do not fit a tensor ({exc})", "delta") from None
         try:
             version = await run_in_threadpool(self.engine.update_weights, source, req.version)
