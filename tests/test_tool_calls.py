@@ -150,3 +150,19 @@ def test_messages_for_template_adds_a_system_message_for_tools():
 def test_messages_for_template_names_the_bad_message(message, problem):
     with pytest.raises(ToolFormatError, match=problem.replace("[", r"\[")):
         messages_for_template([message])
+
+
+def test_a_reply_with_calls_becomes_openai_tool_calls():
+    from megatron_composer.inference.protocol import chat_message
+
+    reply = 'Checking.\n' + format_tool_call("get_weather", {"city": "Paris"}) + format_tool_call("now", {})
+    message, called = chat_message(reply, with_tools=True)
+    assert called and message["role"] == "assistant" and message["content"] == "Checking."
+    calls = message["tool_calls"]
+    assert [c["type"] for c in calls] == ["function", "function"] and calls[0]["id"] != calls[1]["id"]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
+        [("get_weather", {"city": "Paris"}), ("now", {})]
+    assert chat_message(format_tool_call("now", {}), with_tools=True)[0]["content"] is None
+    assert chat_message(reply, with_tools=False) == ({"role": "assistant", "content": reply}, False)
+    broken = "<tool_call>{oops}</tool_call>"
+    assert chat_message(broken, with_tools=True) == ({"role": "assistant", "content": broken}, False)

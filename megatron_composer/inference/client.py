@@ -34,9 +34,9 @@ R3 notes on its main branch (2026):
                                           {"update_info": {"path"}},
                                           /finish_weight_update {"weight_version"}
 
-vLLM and SGLang load weights in their own (Hugging Face) format: convert a
-checkpoint with `megatron_composer.convert` before pushing its path; deltas
-go to our server only. Routed experts come back in our layout whatever the
+vLLM and SGLang load weights in their own (Hugging Face) format: export a
+checkpoint with `tools/convert_checkpoint.py --direction mcore-to-hf` before
+pushing its path; deltas go to our server only. Routed experts come back in our layout whatever the
 server: int32 [prompt + generated, num_moe_layers, topk], -1 where a server
 gives no row (the last generated token is never fed back through the
 model). Policy versions fall back to the version the response names, then

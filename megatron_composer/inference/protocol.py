@@ -251,14 +251,15 @@ class TextStream:
 
 
 def token_text(tokenizer, token: int, as_ids: bool) -> tuple[str, list[int]]:
-    """(the token as logprobs show it, its UTF-8 bytes): a byte-fallback piece is its one byte."""
+    """(the token as logprobs show it, its UTF-8 bytes): a byte-fallback piece is its one byte.
+    `text_offset` counts these strings, so it matches the text except after a \\xNN byte."""
     if as_ids or tokenizer is None or token >= tokenizer.vocab_size:
         text = f"token_id:{token}"
         return text, list(text.encode())
     match = _BYTE_PIECE.match(tokenizer.id_to_piece(token))
-    if match:
+    if match:  # ASCII is its character; a byte of a longer UTF-8 sequence shows as \xNN
         byte = int(match.group(1), 16)
-        return f"\\x{byte:02x}", [byte]
+        return (chr(byte) if byte < 0x80 else f"\\x{byte:02x}"), [byte]
     text = tokenizer.decode([token])
     return text, list(text.encode("utf-8"))
 
