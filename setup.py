@@ -27,7 +27,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_composer", "megatron_composer.*"]),
-    py_modules=["pretrain_cpt"],
+    py_modules=["pretrain_cpt", "train_rl"],
     install_requires=[
         TORCH,
         "megatron-core==0.16.1",
@@ -40,6 +40,7 @@ setup(
         "xxhash",  # checkpoint file checksums
         "fastapi",  # inference/server.py
         "uvicorn",
+        "matplotlib",  # PNG plots in run directories (RL reward curve)
     ],
     extras_require={
         # triton: the quantization kernels' tests run through its CPU interpreter; CUDA builds of

@@ -2,13 +2,22 @@
 
 What comes from megatron-core and what is ours:
 
-    megatron-core                                   ours
-    the model's modules (GPTModel, MLA projections,  the incremental forward over a latent
-    norms, RoPE table, MoE layer and router, MTP      cache (`runner.py`: megatron-core's latent
-    layers, output head); RouterReplay records the    cache needs FlashMLA on CUDA); the
-    experts; checkpoints load through our DCP path    scheduler, sampling (`sampling.py`), MTP
-                                                      speculative decoding (`speculative.py`),
-                                                      in-flight weight updates (`weights.py`)
+* megatron-core: every module of the model (GPTModel's embedding, MLA
+  projections and norms, its RoPE table and unfused RoPE, the dense and MoE
+  layers with their router, the MTP layers, the output head), `RouterReplay`
+  (in record mode) for the routed experts, and checkpoints through our DCP
+  loader.
+* ours, because megatron-core's pieces do not run without CUDA: its
+  `DynamicInferenceContext` (the one with `cache_mla_latent`) allocates its
+  block tables and KV memory on `torch.cuda.current_device()` and attends to
+  cached latents with flash-attn / FlashMLA kernels; its text-generation
+  controller samples every request from one generator created on the CUDA
+  device (so a request's tokens depend on what else is batched); its
+  OpenAI-style endpoints (Flask + hypercorn) drive that dynamic engine
+  through its coordinator. So: the incremental forward over a latent cache
+  (`runner.py`), the scheduler here, per-request sampling (`sampling.py`),
+  MTP speculative decoding (`speculative.py`), in-flight weight updates
+  (`weights.py`) and a FastAPI server (`server.py`).
 
 Each `step()`:
 

@@ -27,7 +27,7 @@ Requests are "segments" (cache slot, first position, number of new tokens);
 one forward runs every segment's tokens as one flat batch. Short segments
 of equal length (decode tokens, speculative verification) attend in one
 batched matmul; prompt chunks attend through SDPA with the causal offset.
-Supports the local layer spec at TP = CP = PP = 1.
+Supports the local layer spec at TP = PP = EP = 1 (any CP: weights are replicated over it).
 """
 from __future__ import annotations
 
@@ -55,6 +55,49 @@ class Segment:
     slot: int
     start: int
     length: int
+
+
+@dataclasses.dataclass
+class _Group:
+    """Segments of equal short length n attending together."""
+
+    rows: torch.Tensor  # [B * n] rows of the flat batch
+    slots: torch.Tensor  # [B]
+    visible: torch.Tensor  # [B, n, L] key position <= query position
+    batch: int
+    n: int
+
+
+class AttentionPlan:
+    """Index tensors of one forward's segments, built once and used by every layer."""
+
+    def __init__(self, segments: list[Segment], device):
+        self.segments = segments
+        slots, positions, offsets, total = [], [], [], 0
+        for seg in segments:
+            slots += [seg.slot] * seg.length
+            positions += range(seg.start, seg.start + seg.length)
+            offsets.append(total)
+            total += seg.length
+        self.write_slots = torch.tensor(slots, dtype=torch.long, device=device)
+        self.write_positions = torch.tensor(positions, dtype=torch.long, device=device)
+        members: dict[int, list[int]] = {}
+        self.chunks = []  # (flat offset, segment, causal mask [n, start + n])
+        for i, seg in enumerate(segments):
+            if seg.length <= _BATCHED_QUERIES:
+                members.setdefault(seg.length, []).append(i)
+            else:
+                end = seg.start + seg.length
+                mask = torch.arange(end, device=device)[None] <= torch.arange(seg.start, end, device=device)[:, None]
+                self.chunks.append((offsets[i], seg, mask))
+        self.groups = []
+        for n, idx in members.items():
+            rows = torch.tensor([offsets[i] + j for i in idx for j in range(n)], dtype=torch.long, device=device)
+            longest = max(segments[i].start for i in idx) + n
+            query_pos = torch.tensor([[segments[i].start + j for j in range(n)] for i in idx], device=device)
+            visible = torch.arange(longest, device=device)[None, None] <= query_pos[:, :, None]
+            slots_t = torch.tensor([segments[i].slot for i in idx], dtype=torch.long, device=device)
+            self.groups.append(_Group(rows, slots_t, visible, len(idx), n))
 
 
 class _RoutingRecorder(RouterReplay):
@@ -93,8 +136,10 @@ class ModelRunner:
     def __init__(self, model, num_slots: int, max_len: int):
         gpt = unwrap(model)
         cfg = gpt.config
-        for name, size in (("tensor", cfg.tensor_model_parallel_size), ("context", cfg.context_parallel_size),
-                           ("pipeline", cfg.pipeline_model_parallel_size)):
+        # Context parallelism replicates every weight, so a CP model decodes whole
+        # sequences on each rank (its CP attention's forward is never called).
+        for name, size in (("tensor", cfg.tensor_model_parallel_size), ("pipeline", cfg.pipeline_model_parallel_size),
+                           ("expert", cfg.expert_model_parallel_size)):
             if size != 1:
                 raise ValueError(f"the inference engine runs one model replica per process; got {name}-parallel "
                                  f"size {size}; build the engine's model with {name}-parallel size 1")
@@ -130,10 +175,11 @@ class ModelRunner:
         """
         x = self.gpt.embedding(input_ids=tokens.unsqueeze(0), position_ids=positions.unsqueeze(0))
         freqs = self.rope_table.index_select(0, positions)
+        plan = AttentionPlan(segments, tokens.device)
         recorders = {}
         with self._routers(recorders):
             for index, layer in enumerate(self.layers):
-                x = self._layer(layer, x, freqs, segments, self.cache.data[index])
+                x = self._layer(layer, x, freqs, plan, self.cache.data[index])
         hidden = self.gpt.decoder.final_layernorm(x)
         routed = None
         if record_experts and self.moe_layers:
@@ -149,7 +195,8 @@ class ModelRunner:
         x, _ = layer.eh_proj(torch.cat((layer.enorm(emb), layer.hnorm(hidden.unsqueeze(1))), -1))
         freqs = self.rope_table.index_select(0, positions)
         with self._routers({}):
-            x = self._layer(layer.transformer_layer, x, freqs, segments, self.mtp_cache.data[depth])
+            x = self._layer(layer.transformer_layer, x, freqs, AttentionPlan(segments, positions.device),
+                            self.mtp_cache.data[depth])
         return layer.final_layernorm(x).squeeze(1)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -182,8 +229,8 @@ class ModelRunner:
             for router, previous in routers:
                 router.router_replay = previous
 
-    def _layer(self, layer, x, freqs, segments, cache):
-        attn = self._attention(layer.self_attention, layer.input_layernorm(x), freqs, segments, cache)
+    def _layer(self, layer, x, freqs, plan, cache):
+        attn = self._attention(layer.self_attention, layer.input_layernorm(x), freqs, plan, cache)
         x = x + attn
         out, bias = layer.mlp(layer.pre_mlp_layernorm(x))
         if bias is not None:
@@ -196,7 +243,7 @@ class ModelRunner:
             t, freqs, rotary_interleaved=self.cfg.rotary_interleaved,
             multi_latent_attention=self.cfg.multi_latent_attention, mscale=self.rope_mscale)
 
-    def _attention(self, attn, x, freqs, segments, cache):
+    def _attention(self, attn, x, freqs, plan, cache):
         """x [T, 1, h] (normed) -> attention output [T, 1, h]; writes the tokens' latents into `cache`."""
         cfg = self.cfg
         tokens = x.shape[0]
@@ -215,68 +262,39 @@ class ModelRunner:
         q_pe = self._rope(q_pe, freqs)  # [T, 1, heads, dr]
         latent = torch.cat([c_kv.view(tokens, rank), k_pe.view(tokens, dr)], dim=-1)
 
-        offset = 0
-        for seg in segments:
-            cache[seg.slot, seg.start:seg.start + seg.length] = latent[offset:offset + seg.length]
-            offset += seg.length
+        cache[plan.write_slots, plan.write_positions] = latent
 
         up = attn.linear_kv_up_proj.weight.view(heads, dn + dv, rank)
         w_uk, w_uv = up[:, :dn], up[:, dn:]
         query = torch.cat([torch.einsum("thd,hdc->thc", q_nope.view(tokens, heads, dn), w_uk),
                            q_pe.view(tokens, heads, dr)], dim=-1)  # [T, heads, rank + dr]
-        out_latent = self._attend(query, segments, cache, attn.softmax_scale, rank)
+        out_latent = self._attend(query, plan, cache, attn.softmax_scale, rank)
         out = torch.einsum("thc,hvc->thv", out_latent, w_uv).reshape(tokens, 1, heads * dv)
         out, bias = attn.linear_proj(out)
         return out if bias is None else out + bias
 
-    def _attend(self, query, segments, cache, scale, rank):
+    @staticmethod
+    def _attend(query, plan: AttentionPlan, cache, scale, rank):
         """Absorbed attention of every segment's queries over its cached latents -> [T, heads, rank].
 
         Short segments (decode tokens, speculative verification) of equal length attend
         in one batched matmul; prompt chunks attend one by one through SDPA.
         """
         out = query.new_empty(query.shape[0], query.shape[1], rank)
-        offsets, total = [], 0
-        for seg in segments:
-            offsets.append(total)
-            total += seg.length
-        groups: dict[int, list[int]] = {}
-        for i, seg in enumerate(segments):
-            if seg.length <= _BATCHED_QUERIES:
-                groups.setdefault(seg.length, []).append(i)
-            else:
-                self._attend_chunk(query, out, offsets[i], seg, cache, scale, rank)
-        for n, members in groups.items():
-            self._attend_batched(query, out, [offsets[i] for i in members], [segments[i] for i in members],
-                                 n, cache, scale, rank)
+        for g in plan.groups:
+            keys = cache[:, :g.visible.shape[-1]].index_select(0, g.slots)  # [B, L, rank + dr]
+            q = query.index_select(0, g.rows).view(g.batch, g.n, *query.shape[1:])  # [B, n, heads, .]
+            scores = torch.einsum("bnhk,blk->bhnl", q, keys).float() * scale
+            probs = torch.softmax(scores.masked_fill(~g.visible[:, None], float("-inf")), dim=-1)
+            o = torch.einsum("bhnl,blc->bnhc", probs.to(keys.dtype), keys[..., :rank])
+            out[g.rows] = o.reshape(-1, *o.shape[2:])
+        for offset, seg, mask in plan.chunks:
+            q = query[offset:offset + seg.length].transpose(0, 1).unsqueeze(0)  # [1, heads, n, .]
+            end = seg.start + seg.length
+            keys = cache[seg.slot, :end]
+            heads = q.shape[1]
+            k = keys.view(1, 1, end, -1).expand(1, heads, end, keys.shape[-1])
+            v = keys[:, :rank].reshape(1, 1, end, rank).expand(1, heads, end, rank)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+            out[offset:offset + seg.length] = o[0].transpose(0, 1)
         return out
-
-    @staticmethod
-    def _attend_batched(query, out, offsets, segments, n, cache, scale, rank):
-        device = query.device
-        rows = (torch.tensor(offsets, device=device)[:, None] + torch.arange(n, device=device)).reshape(-1)
-        starts = torch.tensor([seg.start for seg in segments], device=device)
-        slots = torch.tensor([seg.slot for seg in segments], device=device)
-        longest = max(seg.start for seg in segments) + n
-        keys = cache[:, :longest].index_select(0, slots)  # [B, L, rank + dr]
-        q = query.index_select(0, rows).view(len(segments), n, *query.shape[1:])  # [B, n, heads, .]
-        scores = torch.einsum("bnhk,blk->bhnl", q, keys).float() * scale
-        query_pos = starts[:, None] + torch.arange(n, device=device)  # [B, n]
-        visible = torch.arange(longest, device=device)[None, None] <= query_pos[:, :, None]  # [B, n, L]
-        probs = torch.softmax(scores.masked_fill(~visible[:, None], float("-inf")), dim=-1)
-        o = torch.einsum("bhnl,blc->bnhc", probs.to(keys.dtype), keys[..., :rank])
-        out[rows] = o.reshape(-1, *o.shape[2:])
-
-    @staticmethod
-    def _attend_chunk(query, out, offset, seg, cache, scale, rank):
-        device = query.device
-        q = query[offset:offset + seg.length].transpose(0, 1).unsqueeze(0)  # [1, heads, n, .]
-        end = seg.start + seg.length
-        keys = cache[seg.slot, :end]
-        heads = q.shape[1]
-        k = keys.view(1, 1, end, -1).expand(1, heads, end, keys.shape[-1])
-        v = keys[:, :rank].reshape(1, 1, end, rank).expand(1, heads, end, rank)
-        positions = torch.arange(seg.start, end, device=device)
-        mask = torch.arange(end, device=device)[None] <= positions[:, None]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-        out[offset:offset + seg.length] = o[0].transpose(0, 1)

@@ -1,11 +1,11 @@
 """Sampling math of the engine: pure functions of fp32 logits.
 
-Ours rather than megatron-core's `TextGenerationController.sample_from_logits`:
-that one samples a whole batch with one set of (temperature, top-k, top-p)
-and the global RNG, where RL needs each request's own parameters and seed
-(the same seed gives the same tokens whatever else is batched), the log-prob
-of the distribution a token was drawn from, and the speculative-sampling
-acceptance rule.
+Ours rather than megatron-core's `TextGenerationController` sampling: that
+one buckets requests by (temperature, top-k, top-p) and draws all of them
+from one generator created on the CUDA device, where RL needs each request's
+own seed (the same seed gives the same tokens whatever else is batched), the
+log-prob of the distribution a token was drawn from, and the
+speculative-sampling acceptance rule.
 
     sampling_logprobs(logits, temperature, top_k, top_p)
         log q = log_softmax(filter(logits / T)), -inf outside the kept set:
