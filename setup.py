@@ -38,12 +38,15 @@ setup(
         "tensorboard",
         "tqdm",
         "xxhash",  # checkpoint file checksums
+        "fastapi",  # inference/server.py
+        "uvicorn",
         "matplotlib",  # PNG plots in run directories (RL reward curve)
     ],
     extras_require={
         # triton: the quantization kernels' tests run through its CPU interpreter; CUDA builds of
         # torch already ship a triton, which this leaves as it is.
-        "test": ["pytest", "transformers", "triton>=3.0; platform_system == 'Linux'"],
+        "test": ["pytest", "transformers", "triton>=3.0; platform_system == 'Linux'",
+                 "openai", "schemathesis", "hypothesis", "httpx"],
         # What megatron-core 0.16.1 supports. Never the PyPI package named
         # `apex`: it is an unrelated project.
         "gpu": ["transformer-engine[pytorch]>=2.9,<2.12", "pyyaml"],
