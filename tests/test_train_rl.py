@@ -66,6 +66,11 @@ def _rl_step(rank, world, tokenizer_model, cp=1, micro_batch_tokens=4096):
     return metrics["policy loss"], metrics["reward"], grads, replayed, len(trainer._rl_batches)
 
 
+def _dp2_then_cp2(rank, world, tokenizer_model):
+    """Both two-rank layouts in one pair of processes (spawning is the costly part)."""
+    return _rl_step(rank, world, tokenizer_model, 1, 600), _rl_step(rank, world, tokenizer_model, 2)
+
+
 def _same(a, b, rel=1e-5):
     loss_a, reward_a, grads_a, _, _ = a
     loss_b, reward_b, grads_b, _, _ = b
@@ -85,12 +90,11 @@ def test_rl_step_is_the_same_however_samples_are_packed_split_or_context_paralle
     small = _rl_step(0, 1, tokenizer, micro_batch_tokens=600)  # one or two samples per micro-batch
     assert small[4] > 1 and all(small[3])
     _same(small, whole)
-    dp2 = run_distributed(_rl_step, 2, tokenizer, 1, 600)
-    assert all(all(r[3]) for r in dp2)
-    _same(dp2[0], whole)
-    cp2 = run_distributed(_rl_step, 2, tokenizer, 2)
-    assert all(all(r[3]) for r in cp2)  # zigzag shares of the records, replayed exactly
-    _same(cp2[0], whole)
+    (dp2, cp2_rank0), (dp2_rank1, cp2_rank1) = run_distributed(_dp2_then_cp2, 2, tokenizer)
+    assert all(dp2[3]) and all(dp2_rank1[3])
+    _same(dp2, whole)
+    assert all(cp2_rank0[3]) and all(cp2_rank1[3])  # zigzag shares of the records, replayed exactly
+    _same(cp2_rank0, whole)
 
 
 def test_train_rl_runs_saves_and_resumes(data_dir, tmp_path):
