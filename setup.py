@@ -27,7 +27,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_composer", "megatron_composer.*"]),
-    py_modules=["pretrain_cpt"],
+    py_modules=["pretrain_cpt", "train_rl"],
     install_requires=[
         TORCH,
         "megatron-core==0.16.1",
@@ -38,11 +38,15 @@ setup(
         "tensorboard",
         "tqdm",
         "xxhash",  # checkpoint file checksums
+        "fastapi",  # inference/server.py
+        "uvicorn",
+        "matplotlib",  # PNG plots in run directories (RL reward curve)
     ],
     extras_require={
         # triton: the quantization kernels' tests run through its CPU interpreter; CUDA builds of
         # torch already ship a triton, which this leaves as it is.
-        "test": ["pytest", "transformers", "triton>=3.0; platform_system == 'Linux'"],
+        "test": ["pytest", "transformers", "triton>=3.0; platform_system == 'Linux'",
+                 "openai", "schemathesis", "hypothesis", "httpx"],
         # What megatron-core 0.16.1 supports. Never the PyPI package named
         # `apex`: it is an unrelated project.
         "gpu": ["transformer-engine[pytorch]>=2.9,<2.12", "pyyaml"],

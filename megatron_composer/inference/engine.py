@@ -274,9 +274,10 @@ class Engine:
     def _fail_running(self, exc: BaseException) -> None:
         with self._lock:
             for req in list(self._running):
-                self._running.remove(req)
-                self._free_slots.append(req.slot)
-                req.handle._finish(None, RuntimeError(f"generation failed: {exc!r}"))
+                self._release(req)
+                error = RuntimeError(f"generation failed: {exc!r}")
+                self._notify_failed(req, error)
+                req.handle._finish(None, error)
 
     # ------------------------------------------------------------ weights
     def update_weights(self, source, version: Optional[int] = None) -> int:
@@ -428,12 +429,43 @@ class Engine:
     def _hit_stop_string(self, req: _Request) -> bool:
         if not req.params.stop:
             return False
-        text = self.tokenizer.decode(req.generated)
+        text = self._decode(req.generated)
         return any(s in text for s in req.params.stop)
 
+    def _decode(self, ids: list[int]) -> str:
+        """Text of ids; ids past the tokenizer's pieces (a padded model vocabulary) decode to nothing."""
+        vocab = self.tokenizer.vocab_size
+        return self.tokenizer.decode([t for t in ids if t < vocab])
+
     def _finish(self, req: _Request) -> Completion:
-        self._running.remove(req)
-        self._free_slots.append(req.slot)
+        try:
+            completion = self._completion(req)
+        except Exception as exc:  # the handle must finish whatever went wrong
+            self._release(req)
+            error = RuntimeError(f"request {req.id} failed while finishing: {exc!r}")
+            self._notify_failed(req, error)
+            req.handle._finish(None, error)
+            raise
+        self._release(req)
+        if req.on_token is not None:
+            req.on_token(GenerationEvent(req.id, [], [], [], [], [], finished=True, completion=completion))
+        req.handle._finish(completion)
+        return completion
+
+    def _release(self, req: _Request) -> None:
+        if req in self._running:
+            self._running.remove(req)
+            self._free_slots.append(req.slot)
+
+    @staticmethod
+    def _notify_failed(req: _Request, error: BaseException) -> None:
+        if req.on_token is not None:
+            try:
+                req.on_token(GenerationEvent(req.id, [], [], [], [], [], finished=True, error=str(error)))
+            except Exception:  # a failing callback must not stop the others from hearing
+                pass
+
+    def _completion(self, req: _Request) -> Completion:
         routed = None
         if req.params.return_routed_experts:
             fed = torch.cat(req.routed) if req.routed else torch.empty(0, 0, 0, dtype=torch.int32)
@@ -443,15 +475,11 @@ class Engine:
             routed = torch.full(shape, -1, dtype=torch.int32)
             kept = min(len(fed), total - 1)  # the last generated token's row stays -1 (never fed)
             routed[:kept] = fed[:kept]
-        completion = Completion(
+        return Completion(
             prompt_token_ids=req.prompt, token_ids=req.generated,
             logprobs=req.logprobs if req.params.logprobs else [],
             sampling_logprobs=req.sampling_logprobs if req.params.logprobs else [],
             routed_experts=routed, policy_versions=req.versions, finish_reason=req.finish_reason,
             speculative=req.stats, request_id=req.id,
-            text=self.tokenizer.decode(req.generated) if self.tokenizer is not None else None,
+            text=self._decode(req.generated) if self.tokenizer is not None else None,
             top_logprobs=req.top_logprobs)
-        if req.on_token is not None:
-            req.on_token(GenerationEvent(req.id, [], [], [], [], [], finished=True, completion=completion))
-        req.handle._finish(completion)
-        return completion

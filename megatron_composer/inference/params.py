@@ -161,7 +161,8 @@ class GenerationEvent:
     Delivered to `Engine.add_request(..., on_token=callback)` from the engine's
     thread after every step that produced tokens for the request. The lists
     are this step's new entries only (speculative steps can add several);
-    `completion` is set on the last event (`finished` True).
+    `completion` is set on the last event (`finished` True); a request that
+    failed ends with an event whose `error` says why (and no completion).
     """
 
     request_id: str
@@ -172,3 +173,4 @@ class GenerationEvent:
     top_logprobs: list
     finished: bool = False
     completion: Optional[Completion] = None
+    error: Optional[str] = None

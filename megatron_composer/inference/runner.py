@@ -45,7 +45,7 @@ On CPU at decode sizes that plumbing measured 25-60 us per call against ~5 us
 for the product: doing this for all 25 linears of a tiny-preset decode step
 saved a quarter of its time. The runner does it for the 17 it calls itself;
 MLP modules keep their own linears.
-Supports the local layer spec at TP = CP = PP = 1.
+Supports the local layer spec at TP = PP = EP = 1 (any CP: weights are replicated over it).
 """
 from __future__ import annotations
 
@@ -159,8 +159,10 @@ class ModelRunner:
     def __init__(self, model, num_slots: int, max_len: int):
         gpt = unwrap(model)
         cfg = gpt.config
-        for name, size in (("tensor", cfg.tensor_model_parallel_size), ("context", cfg.context_parallel_size),
-                           ("pipeline", cfg.pipeline_model_parallel_size)):
+        # Context parallelism replicates every weight, so a CP model decodes whole
+        # sequences on each rank (its CP attention's forward is never called).
+        for name, size in (("tensor", cfg.tensor_model_parallel_size), ("pipeline", cfg.pipeline_model_parallel_size),
+                           ("expert", cfg.expert_model_parallel_size)):
             if size != 1:
                 raise ValueError(f"the inference engine runs one model replica per process; got {name}-parallel "
                                  f"size {size}; build the engine's model with {name}-parallel size 1")

@@ -69,6 +69,17 @@ def packed_seq_params_for(lengths: Sequence[int]):
                            max_seqlen_q=longest, max_seqlen_kv=longest)
 
 
+_BATCH_FIELDS = ("tokens", "labels", "loss_mask", "position_ids", "segment_ids", "packed_seq_params")
+
+
+def extra_token_fields(batch) -> list[str]:
+    """Per-token fields beyond `Batch`'s ([b, s, ...] tensors, e.g. RL advantages or routing
+    records); they are padded with `batch.PAD_VALUES[name]` and split like the tokens."""
+    return [f.name for f in dataclasses.fields(batch) if f.name not in _BATCH_FIELDS
+            and torch.is_tensor(getattr(batch, f.name))
+            and tuple(getattr(batch, f.name).shape[:2]) == tuple(batch.tokens.shape)]
+
+
 def pad_batch(batch, multiple: int, pad_token: int = 0):
     """Pad each document (packed) or each sequence (plain) to a multiple of `multiple`.
 
@@ -82,8 +93,15 @@ def pad_batch(batch, multiple: int, pad_token: int = 0):
         return batch
     src, is_pad, step = plan.source, plan.is_pad[None, :], plan.step[None, :]
     take = lambda x: x.index_select(1, src)  # noqa: E731
+    fills = getattr(batch, "PAD_VALUES", {})
+    extra = {}
+    for name in extra_token_fields(batch):
+        value = take(getattr(batch, name))
+        pad = is_pad.reshape(*is_pad.shape, *([1] * (value.dim() - 2)))
+        extra[name] = torch.where(pad, torch.tensor(fills.get(name, 0), dtype=value.dtype), value)
     return dataclasses.replace(
         batch,
+        **extra,
         tokens=torch.where(is_pad, pad_token, take(batch.tokens)),
         labels=torch.where(is_pad, pad_token, take(batch.labels)),
         loss_mask=torch.where(is_pad, 0.0, take(batch.loss_mask)).to(batch.loss_mask.dtype),
@@ -110,6 +128,7 @@ def zigzag_batch(batch, cp_size: int, cp_rank: int, pad_to_multiple: bool = Fals
     split = lambda x: zigzag_split(x, layout, cp_rank, dim=1)  # noqa: E731
     return dataclasses.replace(
         batch,
+        **{name: split(getattr(batch, name)) for name in extra_token_fields(batch)},
         tokens=split(batch.tokens),
         labels=split(batch.labels),
         loss_mask=split(batch.loss_mask),

@@ -213,9 +213,10 @@ def model_config_from_args(args) -> ModelConfig:
     return cfg
 
 
-def parse_args(argv: Optional[list[str]] = None):
-    """Parse and validate; raise ValueError naming the bad flag and value."""
-    args = build_parser().parse_args(argv)
+def parse_args(argv: Optional[list[str]] = None, parser: Optional[argparse.ArgumentParser] = None):
+    """Parse and validate; raise ValueError naming the bad flag and value. `parser`: this
+    module's parser with more flags (`train_rl.py` adds its own group)."""
+    args = (parser or build_parser()).parse_args(argv)
     if args.model_preset not in PRESETS:
         raise ValueError(f"unknown --model-preset {args.model_preset!r}; choose one of: {', '.join(PRESETS)}")
     if args.seq_length is None:

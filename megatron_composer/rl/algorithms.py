@@ -1,0 +1,282 @@
+"""The RL algorithm as pure functions of tensors: advantages, KL estimators, the policy loss.
+
+The recipe is Dr.GRPO: a fixed group of samples per prompt, advantage =
+reward minus the group mean (no division by the group std), and per-token
+terms summed over the whole step and divided by one constant, never by a
+sample's own length (GRPO's 1/|o| term makes a long wrong answer cheaper per
+token than a short one). `grpo` and `rloo` are here to compare against.
+
+Registries, one entry per estimator, each a pure function with its formula:
+
+    ADVANTAGE_ESTIMATORS   dr_grpo, grpo, rloo    ([G, n] rewards -> [G, n] advantages)
+    KL_ESTIMATORS          k1, k2, k3             (per-token logp, ref_logp -> per-token KL)
+
+KL placement (`--kl-placement reward|loss`, `--kl-coef`). With log r =
+ref_logp - logp on tokens sampled from the policy pi:
+
+- "reward" (the default the loop uses, with k1): the caller subtracts
+  kl_coef * sum_t k1_t from each sample's reward before advantages
+  (`kl_penalized_rewards`). The policy gradient then carries the score
+  function of the sequence KL, an unbiased gradient of
+  kl_coef * KL(pi || pi_ref) with k1's low variance.
+- "loss": `policy_gradient_loss(..., ref_logp=, kl_coef=, kl_kind=)` adds
+  kl_coef * k_t per token. Differentiated through logp, k2 gives the exact
+  on-policy gradient of KL(pi || pi_ref) (grad k2 = -log r * grad logp,
+  whose expectation under pi is grad KL); k1's gradient is grad logp, whose
+  expectation under pi is zero, so k1 in the loss only regularizes through
+  sampling noise; k3 is biased and its variance grows quickly once pi and
+  pi_ref diverge (the reason the recipe prefers k1).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+
+def _require_group_size(rewards: Tensor, minimum: int, kind: str) -> None:
+    if rewards.shape[1] < minimum:
+        raise ValueError(
+            f"advantage kind {kind!r} needs group_size >= {minimum}, got rewards of shape "
+            f"{tuple(rewards.shape)}; sample at least {minimum} completions per prompt or use kind='dr_grpo'")
+
+
+def dr_grpo_advantages(rewards: Tensor, eps: float = 1e-6) -> Tensor:
+    """Dr.GRPO: A_ij = r_ij - mean_j(r_ij). `eps` is unused (no division).
+
+    rewards: [num_groups, group_size] float. Returns the same shape.
+    """
+    return rewards - rewards.mean(dim=1, keepdim=True)
+
+
+def grpo_advantages(rewards: Tensor, eps: float = 1e-6) -> Tensor:
+    """GRPO: A_ij = (r_ij - mean_j r_ij) / (std_j r_ij + eps), std unbiased (divides by n - 1).
+
+    rewards: [num_groups, group_size >= 2] float. Returns the same shape.
+    """
+    _require_group_size(rewards, 2, "grpo")
+    return (rewards - rewards.mean(dim=1, keepdim=True)) / (rewards.std(dim=1, keepdim=True) + eps)
+
+
+def rloo_advantages(rewards: Tensor, eps: float = 1e-6) -> Tensor:
+    """RLOO: A_ij = r_ij - (sum_k r_ik - r_ij) / (n - 1), the mean of the group's other samples.
+
+    Equals n / (n - 1) * (r_ij - mean_j r_ij). `eps` is unused.
+    rewards: [num_groups, group_size >= 2] float. Returns the same shape.
+    """
+    _require_group_size(rewards, 2, "rloo")
+    n = rewards.shape[1]
+    return rewards - (rewards.sum(dim=1, keepdim=True) - rewards) / (n - 1)
+
+
+ADVANTAGE_ESTIMATORS: dict[str, Callable[[Tensor, float], Tensor]] = {
+    "dr_grpo": dr_grpo_advantages,
+    "grpo": grpo_advantages,
+    "rloo": rloo_advantages,
+}
+
+
+def group_advantages(rewards: Tensor, kind: str = "dr_grpo", eps: float = 1e-6) -> Tensor:
+    """Advantages of `rewards` [num_groups, group_size], one row per prompt, by `kind`.
+
+    kind: a key of ADVANTAGE_ESTIMATORS (see each function for its formula).
+    Integer rewards are promoted to the default float dtype. Returns [num_groups, group_size].
+    """
+    if kind not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"unknown advantage kind {kind!r}; choose one of {sorted(ADVANTAGE_ESTIMATORS)}")
+    if rewards.dim() != 2:
+        raise ValueError(
+            f"rewards must be [num_groups, group_size], got shape {tuple(rewards.shape)}; "
+            "for a flat list of n = G * group_size rewards ordered by prompt, pass rewards.view(G, group_size)")
+    if not rewards.is_floating_point():
+        rewards = rewards.to(torch.get_default_dtype())
+    return ADVANTAGE_ESTIMATORS[kind](rewards, eps)
+
+
+def k1(log_ratio: Tensor) -> Tensor:
+    """k1 = -log r, with log r = log pi_ref(token) - log pi(token). Unbiased for KL(pi || pi_ref)."""
+    return -log_ratio
+
+
+def k2(log_ratio: Tensor) -> Tensor:
+    """k2 = (log r)^2 / 2. Biased, non-negative, low variance."""
+    return 0.5 * log_ratio.square()
+
+
+def k3(log_ratio: Tensor) -> Tensor:
+    """k3 = r - 1 - log r = expm1(log r) - log r. Unbiased and non-negative; variance grows as exp(log r)."""
+    return torch.expm1(log_ratio) - log_ratio
+
+
+KL_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {"k1": k1, "k2": k2, "k3": k3}
+
+
+def kl_estimate(logp: Tensor, ref_logp: Tensor, kind: str = "k1") -> Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from the sampled tokens' log-probs.
+
+    logp, ref_logp: same shape (e.g. [T] packed tokens), log pi and log pi_ref
+    of each sampled token. log r = ref_logp - logp; kind a key of KL_ESTIMATORS
+    (k1 = -log r, k2 = (log r)^2 / 2, k3 = exp(log r) - 1 - log r).
+    Returns the same shape; gradients flow into both inputs.
+    """
+    if kind not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {kind!r}; choose one of {sorted(KL_ESTIMATORS)}")
+    if logp.shape != ref_logp.shape:
+        raise ValueError(f"logp shape {tuple(logp.shape)} != ref_logp shape {tuple(ref_logp.shape)}; "
+                         "both hold one log-prob per sampled token")
+    return KL_ESTIMATORS[kind](ref_logp - logp)
+
+
+def kl_penalized_rewards(rewards: Tensor, kl_per_token_sums: Tensor, kl_coef: float) -> Tensor:
+    """KL in the reward ("reward" placement): r'_i = r_i - kl_coef * sum_t k1_it.
+
+    rewards, kl_per_token_sums: same shape (one value per sample, e.g. [G, n]);
+    kl_per_token_sums[i] = sum over sample i's generated tokens of kl_estimate(..., "k1").
+    """
+    if rewards.shape != kl_per_token_sums.shape:
+        raise ValueError(f"rewards shape {tuple(rewards.shape)} != kl_per_token_sums shape "
+                         f"{tuple(kl_per_token_sums.shape)}; pass one KL sum per sample")
+    return rewards - kl_coef * kl_per_token_sums
+
+
+def default_normalizer(num_groups: int, max_new_tokens: int) -> float:
+    """The loss normalizer the loop uses: num_groups * max_new_tokens, one constant per step.
+
+    A constant (not the number of generated tokens) keeps every token's weight
+    independent of how long the other samples in the step happen to be.
+    """
+    if num_groups < 1 or max_new_tokens < 1:
+        raise ValueError(f"num_groups {num_groups} and max_new_tokens {max_new_tokens} must both be >= 1")
+    return float(num_groups * max_new_tokens)
+
+
+def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """sum over mask != 0 of values / max(count, 1); 0 when nothing is masked in. Masked-out NaNs are ignored."""
+    keep = mask.bool()
+    return torch.where(keep, values, 0.0).sum() / keep.sum().clamp(min=1).to(values.dtype)
+
+
+def token_entropy(logits: Tensor) -> Tensor:
+    """H_t = logsumexp(z_t) - sum_v softmax(z_t)_v z_tv, per row of logits [T, V]. Returns [T] float32."""
+    logits = logits.float()
+    logp = torch.log_softmax(logits, dim=-1)
+    return -(logp.exp() * logp).sum(dim=-1)
+
+
+def _check_loss_inputs(logp, old_logp, advantages, loss_mask, normalizer, clip_eps_low, clip_eps_high,
+                       sampler_logp, tis_cap):
+    for name, t in (("old_logp", old_logp), ("loss_mask", loss_mask), ("sampler_logp", sampler_logp)):
+        if t is not None and t.shape != logp.shape:
+            raise ValueError(f"{name} shape {tuple(t.shape)} != logp shape {tuple(logp.shape)}; "
+                             "pass one value per token of the packed batch")
+    try:
+        torch.broadcast_shapes(advantages.shape, logp.shape)
+    except RuntimeError:
+        raise ValueError(f"advantages shape {tuple(advantages.shape)} does not broadcast to logp shape "
+                         f"{tuple(logp.shape)}; broadcast each sample's advantage over its tokens") from None
+    if not (isinstance(normalizer, (int, float)) and 0 < normalizer < float("inf")):
+        raise ValueError(f"normalizer {normalizer!r} must be a positive finite number; "
+                         "use default_normalizer(num_groups, max_new_tokens)")
+    if clip_eps_high is not None and clip_eps_low is None:
+        raise ValueError(f"clip_eps_high={clip_eps_high} given without clip_eps_low; pass clip_eps_low too")
+    for name, eps in (("clip_eps_low", clip_eps_low), ("clip_eps_high", clip_eps_high)):
+        if eps is not None and not eps >= 0:
+            raise ValueError(f"{name} {eps} must be >= 0 (e.g. 0.2)")
+    if (sampler_logp is None) != (tis_cap is None):
+        raise ValueError("truncated importance sampling needs both sampler_logp and tis_cap "
+                         f"(got sampler_logp={'set' if sampler_logp is not None else None}, tis_cap={tis_cap}); "
+                         "pass both (e.g. tis_cap=2.0) or neither")
+    if tis_cap is not None and not tis_cap > 0:
+        raise ValueError(f"tis_cap {tis_cap} must be > 0 (e.g. 2.0)")
+
+
+def policy_gradient_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    *,
+    normalizer: float,
+    clip_eps_low: Optional[float] = None,
+    clip_eps_high: Optional[float] = None,
+    sampler_logp: Optional[Tensor] = None,
+    tis_cap: Optional[float] = None,
+    logits: Optional[Tensor] = None,
+    ref_logp: Optional[Tensor] = None,
+    kl_coef: float = 0.0,
+    kl_kind: str = "k1",
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Policy-gradient loss of one micro-batch: loss = sum_t m_t * l_t / normalizer.
+
+    Per token t, with ratio rho_t = exp(logp_t - old_logp_t) and advantage A_t:
+
+        no clipping:  l_t = -w_t * rho_t * A_t              (gradient -w_t * A_t * grad logp_t at rho = 1)
+        clipping:     l_t = -w_t * min(rho_t A_t, clip(rho_t, 1 - eps_low, 1 + eps_high) A_t)
+        TIS weight:   w_t = min(exp(old_logp_t - sampler_logp_t), tis_cap), detached; 1 without TIS
+        KL in loss:   l_t += kl_coef * kl_estimate(logp_t, ref_logp_t, kl_kind)
+
+    The sum runs over every masked-in token and is divided by one constant,
+    `normalizer` (the loop passes default_normalizer(num_groups, max_new_tokens)
+    = groups in the step x max generation length), never by a sample's own
+    length, so every token of every sample weighs 1 / normalizer. Because the
+    constant is global, micro-batches and data-parallel ranks add up: the
+    step's gradient is the sum of the micro-batch gradients (pass
+    normalizer / dp_size where the data-parallel reduction averages).
+
+    logp:         [T] float, log pi_theta of each sampled token (differentiable); any shape works
+                  as long as the other per-token tensors match it.
+    old_logp:     [T], log-probs of the policy the advantages were computed for (detached);
+                  equal to logp's values on the first pass over fresh rollouts.
+    advantages:   [T] or broadcastable (a per-sample advantage repeated over its tokens by the caller).
+    loss_mask:    [T] bool (or 0/1), 1 on generated tokens, 0 on prompt, tool output and padding;
+                  masked-out positions may hold any finite or infinite log-probs.
+    clip_eps_low / clip_eps_high: PPO clip range; clipping is on when clip_eps_low is set and
+                  clip_eps_high defaults to clip_eps_low.
+    sampler_logp: [T], log-probs under the (older) policy that sampled the tokens; with tis_cap.
+    logits:       [T, V], only for the entropy metric.
+    ref_logp:     [T], log pi_ref; enables the "kl" metric, and the KL loss term when kl_coef != 0.
+
+    Returns (loss, metrics). metrics are detached 0-d tensors, means over masked-in tokens:
+    "loss", "ratio_mean", "clip_fraction" (tokens where the clipped branch was taken), and
+    "entropy" (with logits), "kl" (with ref_logp), "tis_weight_mean" (with sampler_logp).
+    """
+    _check_loss_inputs(logp, old_logp, advantages, loss_mask, normalizer, clip_eps_low, clip_eps_high,
+                       sampler_logp, tis_cap)
+    if kl_coef and ref_logp is None:
+        raise ValueError(f"kl_coef={kl_coef} needs ref_logp (log-probs of the reference model); "
+                         "pass ref_logp or set kl_coef=0.0")
+    # Masked-out positions (prompt, padding) may hold arbitrary log-probs; they
+    # are neutralized before exp() so that no inf * 0 reaches the sum or the gradient.
+    keep = loss_mask.bool()
+    mask = keep.to(logp.dtype)
+    advantages = torch.where(keep, advantages.to(logp.dtype).expand_as(logp), 0.0)
+    ratio = torch.exp(torch.where(keep, logp - old_logp, 0.0))
+    surrogate = ratio * advantages
+    clipped = torch.zeros_like(mask, dtype=torch.bool)
+    if clip_eps_low is not None:
+        high = clip_eps_low if clip_eps_high is None else clip_eps_high
+        clipped_surrogate = ratio.clamp(1.0 - clip_eps_low, 1.0 + high) * advantages
+        clipped = clipped_surrogate < surrogate
+        surrogate = torch.minimum(surrogate, clipped_surrogate)
+    per_token = -surrogate
+    metrics: dict[str, Tensor] = {}
+    if sampler_logp is not None:
+        tis_weight = torch.exp(torch.where(keep, old_logp - sampler_logp, 0.0)).clamp(max=tis_cap).detach()
+        per_token = per_token * tis_weight
+        metrics["tis_weight_mean"] = masked_mean(tis_weight, mask)
+    if ref_logp is not None:
+        kl = kl_estimate(torch.where(keep, logp, 0.0), torch.where(keep, ref_logp, 0.0), kl_kind)
+        if kl_coef:
+            per_token = per_token + kl_coef * kl
+        metrics["kl"] = masked_mean(kl.detach(), mask)
+    loss = torch.where(keep, per_token, 0.0).sum() / normalizer
+    metrics["loss"] = loss.detach()
+    metrics["ratio_mean"] = masked_mean(ratio.detach(), mask)
+    metrics["clip_fraction"] = masked_mean(clipped.to(mask.dtype), mask)
+    if logits is not None:
+        if logits.shape[:-1] != logp.shape:
+            raise ValueError(f"logits shape {tuple(logits.shape)} must be logp shape {tuple(logp.shape)} + [V]")
+        with torch.no_grad():
+            metrics["entropy"] = masked_mean(token_entropy(logits.detach()), mask.float())
+    return loss, metrics

@@ -1,0 +1,57 @@
+"""Command line of `train_rl.py`: `pretrain_cpt.py`'s flags (Megatron-LM names) plus the RL group."""
+from __future__ import annotations
+
+from typing import Optional
+
+from ..config import TrainingConfig
+from ..training.arguments import build_parser, parse_args
+from .algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS
+from .config import KL_PLACEMENTS, RLConfig
+from .tasks import TASKS
+
+
+def build_rl_parser():
+    p = build_parser()
+    p.prog = "train_rl.py"
+    p.description = ("Composer RL on megatron-core: groups sampled by the colocated engine, Dr.GRPO, "
+                     "router replay, balanced packing.")
+    d = RLConfig()
+    g = p.add_argument_group("reinforcement learning")
+    g.add_argument("--task", choices=sorted(TASKS), default=d.task)
+    g.add_argument("--group-size", type=int, default=d.group_size, help="samples per prompt")
+    g.add_argument("--prompts-per-step", type=int, default=d.prompts_per_step, help="groups per step")
+    g.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    g.add_argument("--temperature", type=float, default=d.temperature)
+    g.add_argument("--top-p", type=float, default=d.top_p)
+    g.add_argument("--advantage", choices=sorted(ADVANTAGE_ESTIMATORS), default=d.advantage)
+    g.add_argument("--kl-coef", type=float, default=d.kl_coef, help="0: no KL, no reference model")
+    g.add_argument("--kl-kind", choices=sorted(KL_ESTIMATORS), default=d.kl_kind)
+    g.add_argument("--kl-placement", choices=KL_PLACEMENTS, default=d.kl_placement)
+    g.add_argument("--clip-eps-low", type=float, default=d.clip_eps_low, help="PPO ratio clipping (off by default)")
+    g.add_argument("--clip-eps-high", type=float, default=d.clip_eps_high)
+    g.add_argument("--tis-cap", type=float, default=d.tis_cap,
+                   help="truncated importance sampling cap on exp(logp_train - logp_sampler)")
+    g.add_argument("--no-tis", dest="tis_cap", action="store_const", const=None, help="no importance weights")
+    g.add_argument("--reward", default=d.reward, help="weighted reward terms, e.g. correctness=1.0,length=0.1")
+    g.add_argument("--length-penalty-k", type=float, default=d.length_penalty_k)
+    g.add_argument("--length-penalty-q", type=float, default=d.length_penalty_q)
+    g.add_argument("--no-router-replay", dest="router_replay", action="store_false",
+                   help="let the training routers route instead of replaying the engine's experts")
+    g.add_argument("--replay-plausibility-threshold", type=float, default=d.replay_plausibility_threshold,
+                   help="replace replayed experts whose gate is below this fraction of the router's k-th gate")
+    g.add_argument("--rl-micro-batch-tokens", dest="micro_batch_tokens", type=int, default=d.micro_batch_tokens,
+                   help="packed tokens per training micro-batch")
+    g.add_argument("--rollout-batch-size", type=int, default=d.rollout_batch_size, help="engine cache slots")
+    return p
+
+
+def parse_rl_args(argv: Optional[list[str]] = None):
+    """(args, TrainingConfig with stage "rl", RLConfig); ValueError names a bad flag."""
+    args = parse_args(argv, build_rl_parser())
+    args.stage = "rl"
+    cfg = TrainingConfig.from_args(args)
+    rl = RLConfig(**{f: getattr(args, f) for f in RLConfig.__dataclass_fields__})
+    if rl.micro_batch_tokens < args.seq_length:
+        raise ValueError(f"--rl-micro-batch-tokens {rl.micro_batch_tokens} is below --seq-length "
+                         f"{args.seq_length}: a sample of full length would fit no micro-batch")
+    return args, cfg, rl

@@ -1,0 +1,99 @@
+"""Rollout samples -> packed training micro-batches for the policy loss.
+
+One sample is its prompt and completion as one token sequence x_0 .. x_{n-1}
+(P prompt tokens). Position t predicts x_{t+1}, so the trained positions are
+P - 1 .. n - 2, each carrying its sample's advantage and the log-prob the
+sampler gave x_{t+1} (temperature 1, for the train-vs-rollout mismatch and
+truncated importance sampling). The routing records of the engine travel per
+token (`routed_experts[t]` = the experts x_t was routed to), so packing and
+the zigzag context-parallel split (`parallel.zigzag_batch` splits every
+per-token field) keep them aligned with their tokens.
+
+A micro-batch is one "thd" packed sequence [1, T] of whole samples (each
+attends only to itself). `plan_step` balances the samples across
+data-parallel ranks by cost, then cuts each rank's share into micro-batches
+under a token budget.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar, Optional
+
+import torch
+
+from ..parallel.zigzag_batch import packed_seq_params_for
+from ..training.batches import Batch
+
+
+@dataclass
+class RolloutSample:
+    """One scored completion of one prompt of a group."""
+
+    group: int
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    sampler_logprobs: list[float]  # per completion token, temperature 1
+    routed_experts: Optional[torch.Tensor]  # int32 [len(prompt) + len(completion), moe layers, topk]
+    policy_versions: list[int]
+    finish_reason: str
+    text: str = ""
+    rewards: dict = dataclasses.field(default_factory=dict)  # term -> value
+    reward: float = 0.0
+    advantage: float = 0.0
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.completion_ids)
+
+
+@dataclass
+class RLBatch(Batch):
+    """A `Batch` with per-token RL fields ([1, T] like the tokens).
+
+    normalizer_share: this micro-batch's part of the policy loss's constant
+    normalizer (the whole constant on one micro-batch of the step, 0 on the
+    others), so the step's global count is exactly the normalizer.
+    """
+
+    advantages: Optional[torch.Tensor] = None  # [1, T] float32
+    sampler_logp: Optional[torch.Tensor] = None  # [1, T] float32
+    routed_experts: Optional[torch.Tensor] = None  # [1, T, moe layers, topk] int32, -1: not recorded
+    ref_logp: Optional[torch.Tensor] = None  # [1, T] float32, filled by the loop when KL needs it
+    normalizer_share: float = 0.0
+
+    PAD_VALUES: ClassVar[dict] = {"advantages": 0.0, "sampler_logp": 0.0, "routed_experts": -1, "ref_logp": 0.0}
+
+    def to(self, device, non_blocking: bool = True) -> "RLBatch":
+        moved = super().to(device, non_blocking)
+        extra = {name: getattr(self, name).to(device, non_blocking=non_blocking)
+                 for name in ("advantages", "sampler_logp", "routed_experts", "ref_logp")
+                 if getattr(self, name) is not None}
+        return dataclasses.replace(moved, **extra)
+
+
+def pack_samples(samples: list[RolloutSample], pad_token: int = 0) -> RLBatch:
+    """Whole samples packed into one "thd" sequence [1, sum of lengths]."""
+    tokens, labels, mask, positions, segments, adv, slp, routed = [], [], [], [], [], [], [], []
+    with_routing = all(s.routed_experts is not None for s in samples)
+    for index, s in enumerate(samples):
+        ids = s.prompt_ids + s.completion_ids
+        n, p = len(ids), len(s.prompt_ids)
+        trained = torch.zeros(n)
+        trained[p - 1:n - 1] = 1.0
+        logp = torch.zeros(n)
+        logp[p - 1:n - 1] = torch.tensor(s.sampler_logprobs[:n - p], dtype=torch.float32)
+        tokens.append(torch.tensor(ids))
+        labels.append(torch.tensor(ids[1:] + [pad_token]))
+        mask.append(trained)
+        positions.append(torch.arange(n))
+        segments.append(torch.full((n,), index))
+        adv.append(trained * s.advantage)
+        slp.append(logp)
+        if with_routing:
+            routed.append(s.routed_experts[:n].to(torch.int32))
+    cat = lambda xs: torch.cat(xs)[None]  # noqa: E731
+    return RLBatch(tokens=cat(tokens), labels=cat(labels), loss_mask=cat(mask), position_ids=cat(positions),
+                   segment_ids=cat(segments), packed_seq_params=packed_seq_params_for([s.length for s in samples]),
+                   advantages=cat(adv), sampler_logp=cat(slp),
+                   routed_experts=cat(routed) if with_routing else None)

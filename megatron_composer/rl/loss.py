@@ -1,0 +1,70 @@
+"""The policy loss as a plug-in of the shared training step (`training.loss_plugins`).
+
+`count` is the micro-batch's share of the step's one constant normalizer
+(`RLBatch.normalizer_share`), so the step's global count is that constant
+and the loss is sum over every trained token / normalizer, whatever the
+split into micro-batches and ranks. `loss_sum` recomputes log pi(x_{t+1})
+from the logits and hands it to `algorithms.policy_gradient_loss`; the
+rollout was sampled by these very weights (synchronous RL), so old_logp is
+logp detached (ratio 1) and the sampler's log-probs enter only through
+truncated importance sampling. Per-token diagnostics are kept for the step's log.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .algorithms import policy_gradient_loss
+from .config import RLConfig
+
+
+@dataclass
+class PolicyLoss:
+    cfg: RLConfig
+    name: str = "policy loss"
+    scale: float = 1.0
+    stats: dict = field(default_factory=dict)
+
+    def count(self, batch, shift):
+        return torch.tensor(float(batch.normalizer_share), device=batch.tokens.device)
+
+    def loss_sum(self, batch, out, shift):
+        cfg = self.cfg
+        logits = out.logits[0]  # [T, V]
+        labels, mask = batch.labels[0], batch.loss_mask[0]
+        logp = -F.cross_entropy(logits.float(), labels, reduction="none")
+        kl_in_loss = cfg.kl_coef if cfg.kl_placement == "loss" else 0.0
+        ref = batch.ref_logp[0] if batch.ref_logp is not None else None
+        use_tis = cfg.tis_cap is not None
+        loss, metrics = policy_gradient_loss(
+            logp, logp.detach(), batch.advantages[0], mask, normalizer=1.0,
+            clip_eps_low=cfg.clip_eps_low, clip_eps_high=cfg.clip_eps_high,
+            sampler_logp=batch.sampler_logp[0] if use_tis else None, tis_cap=cfg.tis_cap if use_tis else None,
+            logits=logits, ref_logp=ref, kl_coef=kl_in_loss, kl_kind=cfg.kl_kind)
+        keep = mask.bool()
+        tokens = float(keep.sum())
+        gap = (logp.detach() - batch.sampler_logp[0])[keep].abs()
+        self._add("tokens", tokens)
+        self._add("mismatch", gap.tolist(), concat=True)
+        for key in ("entropy", "kl", "ratio_mean", "clip_fraction", "tis_weight_mean"):
+            if key in metrics:
+                self._add(key, float(metrics[key]) * tokens)  # token-weighted, divided by tokens at the end
+        return loss
+
+    def _add(self, key, value, concat=False):
+        if concat:
+            self.stats.setdefault(key, []).extend(value)
+        else:
+            self.stats[key] = self.stats.get(key, 0.0) + value
+
+    def pop_stats(self) -> dict:
+        """Token-weighted means of this step's diagnostics (this rank) and the mismatch mean / p99."""
+        stats, self.stats = self.stats, {}
+        tokens = max(stats.pop("tokens", 0.0), 1.0)
+        out = {k: v / tokens for k, v in stats.items() if k != "mismatch"}
+        gap = torch.tensor(stats.get("mismatch", [0.0]))
+        out["logp mismatch mean"] = float(gap.mean())
+        out["logp mismatch p99"] = float(torch.quantile(gap, 0.99)) if gap.numel() else 0.0
+        return out

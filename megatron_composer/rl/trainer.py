@@ -1,0 +1,301 @@
+"""Synchronous RL on the shared training loop: sample groups, score, pack, one policy update.
+
+    trainer = RLTrainer(model_cfg, layout, TrainingConfig(...), RLConfig(...), tokenizer)
+    trainer.resume()   # --load: an SFT checkpoint (weights only) or an RL run (everything)
+    trainer.train()
+
+One RL step (`rl_step`):
+
+1. prompts: the next `prompts_per_step` of the task, in order (each used
+   once per pass), rendered with the chat template;
+2. rollouts: the in-process `inference.Engine` shares the trainer's weights
+   and generates `group_size` samples per prompt with per-sample seeds,
+   returning log-probs and routed experts; each data-parallel rank samples
+   its share of the groups and the samples are all-gathered;
+3. rewards: the task's verdict and the other `--reward` terms (`rewards.score`),
+   optionally minus kl_coef * sum of per-token KL to the frozen reference
+   model (`--kl-placement reward`); advantages per group (`--advantage`);
+4. packing: `packing.plan_step` balances the samples' cost (attention's
+   quadratic term from the model shape) across data-parallel ranks, then
+   cuts each rank's share into micro-batches of at most `micro_batch_tokens`;
+5. the shared `Trainer.step()` with the policy-loss plug-in (and MTP
+   self-distillation when the model has MTP), router replay forcing the
+   engine's experts (`moe.replay`), then the engine's weights version moves on.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..config.model import ModelConfig
+from ..config.training import TrainingConfig
+from ..data.sft import render_chat
+from ..inference import SamplingParams
+from ..inference.engine import Engine
+from ..models import build_model, composer_forward
+from ..moe.replay import RouterReplayController
+from ..parallel import ParallelLayout, zigzag_batch
+from ..training.trainer import Trainer, TrainingData
+from .algorithms import default_normalizer, group_advantages, kl_estimate, kl_penalized_rewards
+from .batches import RolloutSample, pack_samples
+from .config import RLConfig
+from .loss import PolicyLoss
+from .packing import attention_costs, plan_step
+from .rewards import REWARD_TERMS, EffortCounts, LengthPenaltyConfig, length_term, parse_reward_weights, score
+from .tasks import get_task
+
+
+class _Scored:
+    """What `rewards.score`'s terms read from a sample."""
+
+    def __init__(self, sample: RolloutSample):
+        self.correctness = sample.rewards.get("correctness", 0.0)
+        self.effort_counts = EffortCounts(final_message_tokens=len(sample.completion_ids), turns=1)
+
+
+class RLTrainer(Trainer):
+    """The Trainer with rollouts from a colocated engine as its data and the policy loss as its objective."""
+
+    def __init__(self, model_cfg: ModelConfig, layout: ParallelLayout, cfg: TrainingConfig, rl: RLConfig,
+                 tokenizer, *, log=None):
+        super().__init__(model_cfg, layout, TrainingData(train=None), cfg, log=log)
+        self.rl, self.tokenizer = rl, tokenizer
+        self.task = get_task(rl.task)
+        self.reward_weights = parse_reward_weights(rl.reward)
+        self.reward_terms = {**REWARD_TERMS, "length": length_term(
+            LengthPenaltyConfig(k=rl.length_penalty_k, q=rl.length_penalty_q))}
+        self.policy_loss = PolicyLoss(rl)
+        self.loss_plugins = [self.policy_loss] + [p for p in self.loss_plugins if p.name == "mtp loss"]
+        self.replay = None
+        if rl.router_replay and model_cfg.num_moe_layers:
+            self.replay = RouterReplayController(self.model.module, rl.replay_plausibility_threshold)
+        max_len = min(cfg.seq_length, model_cfg.max_position_embeddings)
+        self.engine = Engine(self.model, model_cfg, tokenizer, max_batch_size=rl.rollout_batch_size,
+                             max_model_len=max_len)
+        self.prompts = self._fitting_prompts(max_len)
+        self.linear_cost, self.quadratic_cost = attention_costs(model_cfg)
+        self.reference = None
+        self.reference_path: Optional[str] = cfg.checkpoint.load
+        self._rl_batches: list = []
+        self.history: list[dict] = []
+
+    # ---- state --------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return dict(super().state_dict(), rl_reference=self.reference_path)
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.reference_path = state.get("rl_reference", self.reference_path)
+
+    def _fitting_prompts(self, max_len: int) -> list:
+        room = max_len - self.rl.max_new_tokens
+        fitting = []
+        for prompt in self.task.prompts():
+            ids = render_chat(list(prompt.messages), self.tokenizer, add_generation_prompt=True)[0]
+            if len(ids) <= room:
+                fitting.append((prompt, ids))
+        if not fitting:
+            raise ValueError(f"no {self.rl.task} prompt fits --seq-length {max_len} with --max-new-tokens "
+                             f"{self.rl.max_new_tokens}; raise --seq-length or lower --max-new-tokens")
+        return fitting
+
+    def build_reference(self) -> None:
+        """The frozen reference model for the KL: the weights RL started from."""
+        if not self.rl.kl_coef:
+            return
+        ref = build_model(self.model_cfg, self.layout, seq_length=self.cfg.seq_length).to(self.device)
+        if self.reference_path:
+            from ..checkpoint import load_checkpoint
+            from ..checkpoint.tracker import latest_iteration
+
+            root = self.reference_path
+            load_checkpoint(root, ref, iteration=latest_iteration(root), allow_missing=("mtp.",),
+                            verify=self.cfg.checkpoint.verify_checkpoint)
+        else:
+            ref.load_state_dict(self.model.module.state_dict())
+        for p in ref.parameters():
+            p.requires_grad_(False)
+        self.reference = ref.eval()
+
+    def resume(self) -> None:
+        super().resume()
+        self.build_reference()
+
+    # ---- one RL step --------------------------------------------------------
+    def micro_batches(self, consumed_samples: int, dataset=None):
+        return self._rl_batches
+
+    def forward(self, batch):
+        if self.replay is not None:
+            if batch.routed_experts is not None:
+                self.replay.set(batch.routed_experts[0])
+            else:
+                self.replay.clear()
+        return super().forward(batch)
+
+    def _step_prompts(self, iteration: int) -> list:
+        n, k = len(self.prompts), self.rl.prompts_per_step
+        return [self.prompts[(iteration * k + i) % n] for i in range(k)]
+
+    def rollouts(self, iteration: int) -> list[RolloutSample]:
+        """Every group of this step (this DP rank samples its share; all ranks get all)."""
+        rl, tok = self.rl, self.tokenizer
+        self.model.eval()
+        mine = [g for g in range(rl.prompts_per_step) if g % self.dp_size == self.dp_rank]
+        prompts = self._step_prompts(iteration)
+        handles = []
+        for g in mine:
+            prompt, ids = prompts[g]
+            for i in range(rl.group_size):
+                seed = (self.cfg.seed * 1_000_003 + iteration * 10_007 + g * rl.group_size + i) % (2 ** 63)
+                params = SamplingParams(max_tokens=rl.max_new_tokens, temperature=rl.temperature, top_p=rl.top_p,
+                                        seed=seed, stop_token_ids=(tok.chat["end"], tok.eod), logprobs=True,
+                                        return_routed_experts=self.replay is not None)
+                handles.append((g, prompt, self.engine.add_request(ids, params)))
+        while self.engine.has_unfinished():
+            self.engine.step()
+        samples = []
+        for g, prompt, handle in handles:
+            out = handle.result()
+            text = tok.decode([t for t in out.token_ids if t not in (tok.chat["end"], tok.eod)])
+            sample = RolloutSample(g, out.prompt_token_ids, out.token_ids, out.logprobs, out.routed_experts,
+                                   out.policy_versions, out.finish_reason, text)
+            sample.rewards = self.task.verify(prompt, text)
+            samples.append(sample)
+        self.model.train()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, samples)
+            by_group: dict[int, list] = {}
+            for part in gathered:  # context-parallel peers sampled the same groups: keep one copy
+                here: dict[int, list] = {}
+                for s in part:
+                    here.setdefault(s.group, []).append(s)
+                for g, group in here.items():
+                    by_group.setdefault(g, group)
+            samples = [s for g in sorted(by_group) for s in by_group[g]]
+        return sorted(samples, key=lambda s: s.group)
+
+    def _reference_logp(self, batch) -> torch.Tensor:
+        device_batch = batch.to(self.device)
+        with torch.no_grad():
+            logits, _ = composer_forward(self.reference, device_batch.tokens, device_batch.position_ids,
+                                         device_batch.packed_seq_params)
+            logp = -torch.nn.functional.cross_entropy(logits[0].float(), device_batch.labels[0], reduction="none")
+        return logp.cpu()[None]
+
+    def _prepare_batches(self, samples: list[RolloutSample]) -> dict:
+        """Score, pack this rank's share, compute KL and advantages, split for CP; returns metrics."""
+        rl = self.rl
+        totals, per_term = score([_Scored(s) for s in samples], self.reward_weights, self.reward_terms)
+        bins = plan_step([s.length for s in samples], self.dp_size, rl.micro_batch_tokens,
+                         self.linear_cost, self.quadratic_cost)[self.dp_rank]
+        batches = [(members, pack_samples([samples[i] for i in members])) for members in bins]
+        kl_sums = torch.zeros(len(samples), dtype=torch.float64)
+        if self.reference is not None:
+            for members, batch in batches:
+                batch.ref_logp = self._reference_logp(batch)
+                kl = kl_estimate(batch.sampler_logp, batch.ref_logp, rl.kl_kind) * batch.loss_mask
+                kl_sums.index_add_(0, torch.tensor(members), torch.zeros(len(members), dtype=torch.float64)
+                                   .index_add_(0, batch.segment_ids[0], kl[0].double()))
+            if dist.is_initialized() and self.dp_size > 1:
+                from megatron.core import parallel_state
+
+                dist.all_reduce(kl_sums, group=parallel_state.get_data_parallel_group())
+        rewards = totals.double()
+        if rl.kl_coef and rl.kl_placement == "reward":
+            rewards = kl_penalized_rewards(rewards, kl_sums, rl.kl_coef)
+        advantages = group_advantages(rewards.view(rl.prompts_per_step, rl.group_size), rl.advantage).reshape(-1)
+        for s, r, a in zip(samples, rewards.tolist(), advantages.tolist()):
+            s.reward, s.advantage = r, a
+        normalizer = default_normalizer(rl.prompts_per_step, rl.max_new_tokens)
+        self._rl_batches = []
+        for index, (members, batch) in enumerate(batches):
+            per_sample = advantages[torch.tensor(members)].float()
+            batch.advantages = batch.loss_mask * per_sample[batch.segment_ids[0]][None]
+            batch = zigzag_batch(batch, self.cp_size, self.cp_rank, pad_to_multiple=True)
+            first = index == 0 and self.dp_rank == 0 and self.cp_rank == 0
+            self._rl_batches.append(dataclasses.replace(batch, normalizer_share=normalizer if first else 0.0))
+        lengths = torch.tensor([len(s.completion_ids) for s in samples], dtype=torch.float32)
+        metrics = {"reward": float(totals.mean()), "advantage abs": float(advantages.abs().mean()),
+                   "completion length": float(lengths.mean()),
+                   "truncated fraction": sum(s.finish_reason == "length" for s in samples) / len(samples)}
+        metrics.update({f"reward {name}": float(v.mean()) for name, v in per_term.items()})
+        for key in sorted({k for s in samples for k in s.rewards}):  # the task's own verdicts
+            metrics[f"task {key}"] = sum(s.rewards.get(key, 0.0) for s in samples) / len(samples)
+        if self.reference is not None:
+            metrics["kl to reference"] = float(kl_sums.sum() / lengths.sum().clamp(min=1))
+        return metrics
+
+    def rl_step(self) -> dict:
+        """One RL step (module docstring); returns the step's metrics."""
+        started = time.perf_counter()
+        samples = self.rollouts(self.state.iteration)
+        rollout_seconds = time.perf_counter() - started
+        metrics = self._prepare_batches(samples)
+        if not any(b.normalizer_share for b in self._rl_batches) and self.dp_rank == 0 and self.cp_rank == 0:
+            raise RuntimeError("internal: the loss normalizer was not placed on any micro-batch")
+        result = self.step()
+        self.engine.update_weights(None, version=self.state.iteration)  # shared weights: a new version
+        metrics.update(self.policy_loss.pop_stats())
+        if self.replay is not None:
+            metrics["replaced experts"] = self.replay.replaced_fraction()
+        metrics.update({"policy loss": result.losses["policy loss"], "grad norm": result.grad_norm,
+                        "lr": result.lr, "rollout seconds": rollout_seconds,
+                        "step seconds": time.perf_counter() - started, "skipped": float(result.skipped)})
+        if "mtp loss" in result.losses:
+            metrics["mtp loss"] = result.losses["mtp loss"]
+        return metrics
+
+    # ---- the outer loop -----------------------------------------------------
+    def train(self):
+        cfg, st = self.cfg, self.state
+        if cfg.checkpoint.save:
+            self.checkpoints.prepare_save_dir()
+        while st.iteration < cfg.train_iters:
+            metrics = self.rl_step()
+            self.history.append(dict(metrics, iteration=st.iteration))
+            if st.iteration % cfg.log_interval == 0 or st.iteration == cfg.train_iters:
+                line = {k: metrics[k] for k in ("reward", "policy loss", "grad norm", "completion length",
+                                                "logp mismatch mean", "step seconds") if k in metrics}
+                self.log.log(st.iteration, cfg.train_iters, line, {f"rl/{k}": v for k, v in metrics.items()})
+                self.plot_rewards()
+            interval = cfg.checkpoint.save_interval
+            if cfg.checkpoint.save and interval and st.iteration % interval == 0:
+                self.checkpoints.save()
+        if cfg.checkpoint.save and not (cfg.checkpoint.save_interval and st.iteration % cfg.checkpoint.save_interval == 0):
+            self.checkpoints.save()
+        self.plot_rewards()
+        return st
+
+    def plot_rewards(self) -> Optional[str]:
+        """reward_curve.png in the --save directory (rank 0): mean reward per step and its 10-step mean."""
+        if not self.cfg.checkpoint.save or (dist.is_initialized() and dist.get_rank() != 0) or not self.history:
+            return None
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        steps = [h["iteration"] for h in self.history]
+        rewards = torch.tensor([h["reward"] for h in self.history])
+        window = min(10, len(rewards))
+        smooth = torch.nn.functional.avg_pool1d(rewards[None, None], window, 1).flatten()
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.plot(steps, rewards.tolist(), alpha=0.4, label="mean reward")
+        ax.plot(steps[window - 1:], smooth.tolist(), label=f"{window}-step mean")
+        ax.set_xlabel("RL step")
+        ax.set_ylabel("reward")
+        ax.set_title(f"{self.rl.task}: {self.rl.prompts_per_step} prompts x {self.rl.group_size} samples per step")
+        ax.legend()
+        fig.tight_layout()
+        os.makedirs(self.cfg.checkpoint.save, exist_ok=True)
+        path = os.path.join(self.cfg.checkpoint.save, "reward_curve.png")
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path

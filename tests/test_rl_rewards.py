@@ -1,0 +1,198 @@
+"""Rewards: the length penalty's properties and its q -> 1 limit, effort, the reward-term registry (pure)."""
+import math
+from types import SimpleNamespace
+
+import mpmath
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_composer.rl.rewards import (
+    REWARD_TERMS,
+    EffortCounts,
+    EffortWeights,
+    LengthPenaltyConfig,
+    combine_rewards,
+    effort,
+    length_penalty,
+    length_term,
+    parse_reward_weights,
+    register_reward_term,
+    score,
+)
+
+
+def reference(x, k, q):
+    """C(x) at 50 significant digits with mpmath: the closed form, or ln(1 + kx)/k at q = 1."""
+    mpmath.mp.dps = 50
+    x, k, q = mpmath.mpf(x), mpmath.mpf(k), mpmath.mpf(q)
+    if q == 1:
+        return float(mpmath.log1p(k * x) / k)
+    return float(mpmath.expm1((1 - q) * mpmath.log1p(k * x)) / (k * (1 - q)))
+
+
+def test_q_zero_is_linear_and_q_one_is_logarithmic():
+    for x in (0.0, 1.0, 37.0, 1e4):
+        assert length_penalty(x, 1e-3, 0.0) == pytest.approx(x, rel=1e-13)
+        assert length_penalty(x, 1e-3, 1.0) == pytest.approx(math.log1p(1e-3 * x) / 1e-3, rel=1e-15)
+    # q = 0.5, k = 1, x = 3: ((1 + 3)^0.5 - 1) / 0.5 = 2; q = 2: (4^-1 - 1) / -1 = 0.75
+    assert length_penalty(3.0, 1.0, 0.5) == pytest.approx(2.0, rel=1e-15)
+    assert length_penalty(3.0, 1.0, 2.0) == pytest.approx(0.75, rel=1e-15)
+
+
+def test_q_to_one_from_both_sides_is_continuous_and_accurate():
+    x, k = 5000.0, 1e-3
+    limit = math.log1p(k * x) / k
+    previous = None
+    for exponent in range(2, 16):
+        eps = 10.0 ** -exponent
+        below, above = length_penalty(x, k, 1 - eps), length_penalty(x, k, 1 + eps)
+        assert below == pytest.approx(reference(x, k, 1 - eps), rel=1e-12)
+        assert above == pytest.approx(reference(x, k, 1 + eps), rel=1e-12)
+        assert below > limit > above or below == limit == above  # C decreases in q
+        gap = below - above
+        assert previous is None or gap <= previous  # the two sides close in on the limit
+        previous = gap
+    assert abs(length_penalty(x, k, 1 - 1e-15) / limit - 1) < 1e-14
+    assert abs(length_penalty(x, k, 1 + 1e-15) / limit - 1) < 1e-14
+
+
+@pytest.mark.parametrize("q", [0.0, 0.3, 1 - 1e-9, 1.0, 1 + 1e-9, 1.7])
+def test_matches_high_precision_reference_on_tensors(q):
+    x = torch.tensor([0.0, 1e-6, 0.5, 3.0, 1e3, 1e6], dtype=torch.float64)
+    got = length_penalty(x, 0.01, q)
+    assert got.shape == x.shape and got.dtype == torch.float64
+    for xi, ci in zip(x.tolist(), got.tolist()):
+        assert ci == pytest.approx(reference(xi, 0.01, q), rel=1e-12, abs=1e-300)
+
+
+def test_q_above_one_is_bounded_by_one_over_k_q_minus_one():
+    k, q = 0.01, 1.5
+    bound = 1 / (k * (q - 1))  # 200
+    values = [length_penalty(x, k, q) for x in (1.0, 1e3, 1e6, 1e12)]
+    assert all(v < bound for v in values)
+    assert values == sorted(values)
+    assert values[-1] == pytest.approx(bound, rel=1e-4)  # (1 + kx)^(-0.5) ~ 1e-5 of the way short
+
+
+@pytest.mark.parametrize("k,q", [(1e-3, 0.0), (0.1, 0.5), (1.0, 1.0), (1.0, 1 - 1e-10), (1.0, 1 + 1e-10), (2.0, 3.0)])
+def test_zero_at_zero_with_unit_slope(k, q):
+    assert length_penalty(0.0, k, q) == 0.0
+    x = torch.zeros(1, dtype=torch.float64, requires_grad=True)
+    length_penalty(x, k, q).sum().backward()
+    assert x.grad.item() == pytest.approx(1.0, rel=1e-12)
+
+
+def test_slope_is_one_over_one_plus_kx_to_the_q():
+    x = torch.tensor([0.0, 2.0, 50.0], dtype=torch.float64, requires_grad=True)
+    k, q = 0.1, 0.7
+    length_penalty(x, k, q).sum().backward()
+    torch.testing.assert_close(x.grad, (1 + k * x.detach()) ** -q, rtol=1e-12, atol=0)
+
+
+@settings(max_examples=150, deadline=None)
+@given(x1=st.floats(0, 1e6), x2=st.floats(0, 1e6), k=st.floats(1e-4, 10), q=st.floats(1e-3, 5))
+def test_concave_and_increasing_for_positive_q(x1, x2, k, q):
+    lo, hi = min(x1, x2), max(x1, x2)
+    c_lo, c_hi, c_mid = (length_penalty(v, k, q) for v in (lo, hi, (lo + hi) / 2))
+    tol = 1e-12 * max(1.0, abs(c_hi))
+    assert c_lo <= c_hi + tol
+    assert c_mid >= (c_lo + c_hi) / 2 - tol
+    assert c_hi <= hi * (1 + 1e-12) + 1e-300  # concave with C(0) = 0 and C'(0) = 1: C(x) <= x
+
+
+def test_float_in_float_out_and_integer_tensors():
+    assert isinstance(length_penalty(4, 0.5, 0.0), float)
+    assert length_penalty(torch.tensor([0, 2]), 1.0, 0.0).dtype == torch.get_default_dtype()
+
+
+def test_length_penalty_errors_name_the_value():
+    with pytest.raises(ValueError, match=r"k 0 must be a finite number > 0"):
+        length_penalty(1.0, 0, 0.5)
+    with pytest.raises(ValueError, match=r"k -1.0 must"):
+        length_penalty(1.0, -1.0, 0.5)
+    with pytest.raises(ValueError, match=r"q inf must be a finite number"):
+        length_penalty(1.0, 1.0, float("inf"))
+    with pytest.raises(ValueError, match=r"effort x -2.0 must be >= 0"):
+        length_penalty(-2.0, 1.0, 0.5)
+    with pytest.raises(ValueError, match=r"effort x -3.0 must be >= 0"):
+        length_penalty(torch.tensor([1.0, -3.0]), 1.0, 0.5)
+    with pytest.raises(ValueError, match=r"effort x nan"):
+        length_penalty(torch.tensor([float("nan")]), 1.0, 0.5)
+
+
+def test_effort_is_the_weighted_sum_of_the_six_counts():
+    counts = EffortCounts(thinking_tokens=100, tool_call_tokens=20, tool_output_tokens=300,
+                          final_message_tokens=40, tool_calls=3, turns=2)
+    weights = EffortWeights(thinking_tokens=1.0, tool_call_tokens=2.0, tool_output_tokens=0.1,
+                            final_message_tokens=0.5, tool_calls=10.0, turns=5.0)
+    assert effort(counts, weights) == pytest.approx(100 + 40 + 30 + 20 + 30 + 10)
+    assert effort(counts, EffortWeights()) == 460  # defaults: every token once, calls and turns free
+    with pytest.raises(ValueError, match=r"EffortCounts.turns = -1 must be >= 0"):
+        EffortCounts(turns=-1)
+    with pytest.raises(ValueError, match=r"EffortWeights.tool_calls = -0.5 must be a finite number >= 0"):
+        EffortWeights(tool_calls=-0.5)
+    with pytest.raises(ValueError, match=r"k 0.0 must be a finite number > 0"):
+        LengthPenaltyConfig(k=0.0)
+
+
+def test_parse_reward_weights():
+    assert parse_reward_weights("correctness=1.0,length=0.001") == {"correctness": 1.0, "length": 0.001}
+    assert parse_reward_weights(" correctness = 1 , length=-2e-3 ") == {"correctness": 1.0, "length": -0.002}
+    assert parse_reward_weights("style=0.1", known=["style"]) == {"style": 0.1}
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("style=0.1", r"unknown reward term 'style' .* known terms: \['correctness', 'length'\]"),
+    ("correctness", r"item 'correctness' in 'correctness' is not name=weight"),
+    ("correctness=1.0,", r"item '' in 'correctness=1.0,' is not name=weight"),
+    ("=1.0", r"item '=1.0' .* is not name=weight"),
+    ("correctness=", r"is not name=weight"),
+    ("correctness=high", r"reward weight 'high' of 'correctness' is not a number"),
+    ("correctness=nan", r"reward weight of 'correctness' is nan; weights must be finite"),
+    ("length=inf", r"reward weight of 'length' is inf"),
+    ("correctness=1,correctness=2", r"'correctness' appears twice"),
+])
+def test_parse_reward_weights_errors(spec, message):
+    with pytest.raises(ValueError, match=message):
+        parse_reward_weights(spec)
+
+
+def test_register_reward_term():
+    registry = dict(REWARD_TERMS)
+    register_reward_term("style", lambda s: s.style, registry=registry)
+    assert "style" in registry and "style" not in REWARD_TERMS
+    with pytest.raises(ValueError, match="'style' is already registered; pass replace=True"):
+        register_reward_term("style", lambda s: 0.0, registry=registry)
+    register_reward_term("style", lambda s: 0.0, registry=registry, replace=True)
+    with pytest.raises(ValueError, match="without ',', '=' or spaces"):
+        register_reward_term("a=b", lambda s: 0.0, registry=registry)
+    with pytest.raises(ValueError, match="is not callable"):
+        register_reward_term("x", 3.0, registry=registry)
+
+
+def test_combine_rewards():
+    assert combine_rewards({"correctness": 1.0, "length": -200.0, "style": 5.0},
+                           {"correctness": 1.0, "length": 0.001}) == pytest.approx(0.8)
+    with pytest.raises(ValueError, match=r"no value for reward terms \['length'\]"):
+        combine_rewards({"correctness": 1.0}, {"correctness": 1.0, "length": 0.001})
+    with pytest.raises(ValueError, match=r"'correctness' returned nan"):
+        combine_rewards({"correctness": float("nan")}, {"correctness": 1.0})
+
+
+def test_score_keeps_every_term_per_sample():
+    samples = [
+        SimpleNamespace(correctness=1.0, effort_counts=EffortCounts(thinking_tokens=3)),
+        SimpleNamespace(correctness=0.0, effort_counts=EffortCounts(final_message_tokens=8)),
+    ]
+    # k = 1, q = 0.5: C(3) = (2 - 1) / 0.5 = 2, C(8) = (3 - 1) / 0.5 = 4
+    terms = {**REWARD_TERMS, "length": length_term(LengthPenaltyConfig(k=1.0, q=0.5))}
+    total, per_term = score(samples, {"correctness": 1.0, "length": 0.1}, terms)
+    torch.testing.assert_close(per_term["correctness"], torch.tensor([1.0, 0.0]))
+    torch.testing.assert_close(per_term["length"], torch.tensor([-2.0, -4.0]))
+    torch.testing.assert_close(total, torch.tensor([0.8, -0.4]))
+    total, per_term = score(samples, {"correctness": 1.0})  # only the weighted terms are evaluated
+    assert list(per_term) == ["correctness"] and total.tolist() == [1.0, 0.0]
+    with pytest.raises(ValueError, match=r"reward terms \['style'\] are not registered"):
+        score(samples, {"style": 1.0})
