@@ -2,11 +2,13 @@
 
 What comes from megatron-core and what is ours:
 
-* megatron-core: every module of the model (GPTModel's embedding, MLA
-  projections and norms, its RoPE table and unfused RoPE, the dense and MoE
-  layers with their router, the MTP layers, the output head), `RouterReplay`
-  (in record mode) for the routed experts, and checkpoints through our DCP
-  loader.
+* megatron-core: the model and its weights (GPTModel's embedding, MLA
+  projections and norms, its RoPE table and unfused RoPE, the dense MLPs,
+  the MoE router, shared expert and experts, the MTP layers, the output
+  head), `RouterReplay` (in record mode) for the routed experts, and
+  checkpoints through our DCP loader. Modules are called as they are, except
+  the linears the runner multiplies itself and the MoE token dispatcher it
+  skips when every expert is local (`runner.py` says why; both exact).
 * ours, because megatron-core's pieces do not run without CUDA: its
   `DynamicInferenceContext` (the one with `cache_mla_latent`) allocates its
   block tables and KV memory on `torch.cuda.current_device()` and attends to
