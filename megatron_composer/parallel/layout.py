@@ -172,6 +172,12 @@ class ParallelLayout:
         if dist.get_world_size() != self.world_size:
             raise ValueError(f"layout is for {self.world_size} ranks, but torch.distributed "
                              f"has {dist.get_world_size()}")
+        key = (self.world_size, self.tp, self.pp, self.cp, self.ep, self.etp, self.order, timeout_minutes)
+        if _INITIALIZED.get("key") == key and _groups_alive():
+            # The same layout again (tests, notebooks, an engine beside its trainer): keep its
+            # groups. megatron-core's destroy_model_parallel forgets groups without destroying
+            # them, so every rebuild would leave its gloo threads running.
+            return self._checked(ProcessGroupCollection.use_mpu_process_groups())
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
         parallel_state.initialize_model_parallel(
@@ -183,7 +189,10 @@ class ParallelLayout:
             order=self.order,
             distributed_timeout_minutes=timeout_minutes,
         )
-        pgs = ProcessGroupCollection.use_mpu_process_groups()
+        _INITIALIZED["key"] = key
+        return self._checked(ProcessGroupCollection.use_mpu_process_groups())
+
+    def _checked(self, pgs: ProcessGroupCollection) -> ProcessGroupCollection:
         rank = dist.get_rank()
         for name, group in (("tp", pgs.tp), ("cp", pgs.cp), ("dp_cp", pgs.dp_cp), ("ep", pgs.ep),
                             ("edp", pgs.expt_dp)):
@@ -192,6 +201,21 @@ class ParallelLayout:
                 raise RuntimeError(f"megatron-core built {name} group {live} for rank {rank}, "
                                    f"layout expected {self.group_of(name, rank)}")
         return pgs
+
+
+_INITIALIZED: dict = {}  # the layout megatron-core's parallel state was last built for
+
+
+def _groups_alive() -> bool:
+    """Whether megatron-core's groups still belong to a live torch.distributed (a
+    destroyed default group takes its subgroups with it)."""
+    if not parallel_state.model_parallel_is_initialized():
+        return False
+    try:
+        dist.get_process_group_ranks(parallel_state.get_tensor_model_parallel_group())
+    except (RuntimeError, ValueError, KeyError):
+        return False
+    return True
 
 
 def initialize_parallel(layout: ParallelLayout, seed: int, timeout_minutes: int = 30) -> ProcessGroupCollection:
