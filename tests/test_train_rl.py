@@ -116,6 +116,19 @@ def test_train_rl_runs_saves_and_resumes(data_dir, tmp_path):
     assert resumed._step_prompts(2)[0][0].key != resumed._step_prompts(0)[0][0].key
 
 
+def test_sharded_weights_are_refused_with_the_flag_named(data_dir):
+    from megatron_composer.config import TrainingConfig, get_preset
+    from megatron_composer.data.tokenizer import Tokenizer
+    from megatron_composer.parallel import ParallelLayout
+    from megatron_composer.rl.config import RLConfig
+    from megatron_composer.rl.trainer import RLTrainer
+
+    layout = ParallelLayout(world_size=2, ep=2, num_experts=8)
+    with pytest.raises(ValueError, match="--expert-model-parallel-size 1"):
+        RLTrainer(get_preset("tiny"), layout, TrainingConfig(stage="rl"), RLConfig(),
+                  Tokenizer(str(data_dir / "tokenizer.model")))
+
+
 @pytest.mark.parametrize("flag, value, match", [("--group-size", "0", "group-size"),
                                                 ("--kl-placement", "nowhere", "invalid choice"),
                                                 ("--reward", "speed=1", "unknown reward term"),

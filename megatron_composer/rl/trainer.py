@@ -63,6 +63,11 @@ class RLTrainer(Trainer):
 
     def __init__(self, model_cfg: ModelConfig, layout: ParallelLayout, cfg: TrainingConfig, rl: RLConfig,
                  tokenizer, *, log=None):
+        for flag, size in (("--tensor-model-parallel-size", layout.tp), ("--expert-model-parallel-size", layout.ep)):
+            if size != 1:
+                raise ValueError(f"train_rl.py samples with an engine colocated on every rank, which holds whole "
+                                 f"weights; {flag} {size} shards them; use {flag} 1 (data and context "
+                                 f"parallelism work)")
         super().__init__(model_cfg, layout, TrainingData(train=None), cfg, log=log)
         self.rl, self.tokenizer = rl, tokenizer
         self.task = get_task(rl.task)
