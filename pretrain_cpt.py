@@ -8,28 +8,14 @@ See `python pretrain_cpt.py --help` and the README for every flag.
 """
 import sys
 
-from megatron_composer.platform.distributed import destroy_distributed
 from megatron_composer.training.pretrain import pretrain
+from megatron_composer.training.entry import run_entry
 
 
 def main(argv=None) -> int:
     """Run; a configuration, data or checkpoint problem prints one line and exits 2 (1 for a run
     stopped by its guards), without a traceback."""
-    from megatron_composer.checkpoint import CheckpointError
-    from megatron_composer.optim.builder import NonFiniteParametersError
-    from megatron_composer.training.trainer import TrainingAborted
-
-    try:
-        pretrain(argv)
-    except (ValueError, CheckpointError) as exc:
-        print(f"pretrain_cpt.py: error: {exc}", file=sys.stderr, flush=True)
-        return 2
-    except (TrainingAborted, NonFiniteParametersError) as exc:
-        print(f"pretrain_cpt.py: stopped: {exc}", file=sys.stderr, flush=True)
-        return 1
-    finally:
-        destroy_distributed()
-    return 0
+    return run_entry("pretrain_cpt.py", pretrain, argv)
 
 
 if __name__ == "__main__":

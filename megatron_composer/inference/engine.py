@@ -292,9 +292,12 @@ class Engine:
         source raises ValueError and changes nothing. Running sequences keep
         generating; their cached latents stay those of the older weights.
         """
-        apply = stage_update(model_state_dict(self.model), source, global_param_names(self.model))
+        # None (a shared model updated in place) has nothing to stage: skip naming every tensor
+        apply = None if source is None else stage_update(model_state_dict(self.model), source,
+                                                         global_param_names(self.model))
         with self._lock:
-            apply()
+            if apply is not None:
+                apply()
             self._version = self._version + 1 if version is None else int(version)
             return self._version
 

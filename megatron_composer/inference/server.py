@@ -137,6 +137,15 @@ class _Choices:
                 handle.cancel()
 
 
+def _stream_extensions(choice: dict, event, sent: list, prompt, return_routed_experts: bool) -> None:
+    """The extension fields a streamed chunk carries: the prompt ids with the first tokens
+    (`sent` is every id streamed so far), the routed experts with the last chunk."""
+    if len(sent) == len(event.token_ids) and event.token_ids:
+        choice["prompt_token_ids"] = list(prompt)
+    if event.finished and return_routed_experts:
+        choice["routed_experts"] = choice_extensions(event.completion, True)["routed_experts"]
+
+
 def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
@@ -230,10 +239,7 @@ class _Server:
                     offsets[i] += sum(len(t) for t in logprobs["tokens"])
                     choice["logprobs"] = logprobs
                     choice["sampling_logprobs"] = event.sampling_logprobs
-                if len(ids[i]) == len(event.token_ids) and event.token_ids:
-                    choice["prompt_token_ids"] = list(choices.specs[i][0])
-                if event.finished and req.return_routed_experts:
-                    choice["routed_experts"] = choice_extensions(event.completion, True)["routed_experts"]
+                _stream_extensions(choice, event, ids[i], choices.specs[i][0], req.return_routed_experts)
                 yield _sse({**meta, "choices": [choice]})
             if (req.stream_options or {}).get("include_usage"):
                 prompts = [p for p, _ in choices.specs[::req.n]]
@@ -330,10 +336,7 @@ class _Server:
                     choice["logprobs"] = chat_logprobs(self.tokenizer, event.token_ids, event.logprobs,
                                                        event.top_logprobs, req.return_tokens_as_token_ids)
                     choice["sampling_logprobs"] = event.sampling_logprobs
-                if len(ids[i]) == len(event.token_ids) and event.token_ids:
-                    choice["prompt_token_ids"] = list(choices.specs[i][0])
-                if event.finished and req.return_routed_experts:
-                    choice["routed_experts"] = choice_extensions(event.completion, True)["routed_experts"]
+                _stream_extensions(choice, event, ids[i], choices.specs[i][0], req.return_routed_experts)
                 yield _sse({**meta, "choices": [choice]})
             if (req.stream_options or {}).get("include_usage"):
                 yield _sse({**meta, "choices": [], "usage": _usage([choices.specs[0][0]], sum(map(len, ids)))})
