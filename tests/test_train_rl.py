@@ -30,8 +30,10 @@ def _rl_trainer(tokenizer_model, cp=1, micro_batch_tokens=4096, **rl_fields):
     cfg = TrainingConfig(seq_length=512, micro_batch_size=1, train_iters=1, stage="rl",
                          optimizer=OptimizerConfig(lr=1e-3, lr_warmup_iters=0, lr_decay_iters=1))
     layout = ParallelLayout(world_size=dist.get_world_size(), cp=cp, num_experts=model_cfg.num_experts)
-    rl = RLConfig(**{**SAMPLES, **rl_fields}, micro_batch_tokens=micro_batch_tokens)
+    # k1 KL in the reward: the reference model's forward runs on each rank's CP share too
+    rl = RLConfig(**{**SAMPLES, "kl_coef": 0.05, **rl_fields}, micro_batch_tokens=micro_batch_tokens)
     trainer = RLTrainer(model_cfg, layout, cfg, rl, Tokenizer(tokenizer_model))
+    trainer.build_reference()
     # a deterministic verdict that differs between samples, so advantages are not all zero
     trainer.task.verify = lambda prompt, text: {"correctness": float(sum(map(ord, text)) % 3) / 2}
     return trainer
@@ -63,6 +65,8 @@ def _rl_step(rank, world, tokenizer_model, cp=1, micro_batch_tokens=4096):
 
     trainer.forward = checked_forward
     metrics = trainer.rl_step()
+    # the reference is these very weights: k1 is 0 on every token up to the engine's fp32 rounding
+    assert abs(metrics["kl to reference"]) < 1e-5
     return metrics["policy loss"], metrics["reward"], grads, replayed, len(trainer._rl_batches)
 
 

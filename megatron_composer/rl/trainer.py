@@ -195,23 +195,25 @@ class RLTrainer(Trainer):
         return logp.cpu()[None]
 
     def _prepare_batches(self, samples: list[RolloutSample]) -> dict:
-        """Score, pack this rank's share, compute KL and advantages, split for CP; returns metrics."""
+        """Score, pack and CP-split this rank's share, compute KL and advantages; returns metrics."""
         rl = self.rl
         totals, per_term = score([_Scored(s) for s in samples], self.reward_weights, self.reward_terms)
         bins = plan_step([s.length for s in samples], self.dp_size, rl.micro_batch_tokens,
                          self.linear_cost, self.quadratic_cost)[self.dp_rank]
-        batches = [(members, pack_samples([samples[i] for i in members])) for members in bins]
+        # this rank's context-parallel share of each micro-batch; every per-token field is split alike
+        batches = [(torch.tensor(members), zigzag_batch(pack_samples([samples[i] for i in members]), self.cp_size,
+                                                        self.cp_rank, pad_to_multiple=True)) for members in bins]
         kl_sums = torch.zeros(len(samples), dtype=torch.float64)
         if self.reference is not None:
             for members, batch in batches:
                 batch.ref_logp = self._reference_logp(batch)
                 kl = kl_estimate(batch.sampler_logp, batch.ref_logp, rl.kl_kind) * batch.loss_mask
-                kl_sums.index_add_(0, torch.tensor(members), torch.zeros(len(members), dtype=torch.float64)
-                                   .index_add_(0, batch.segment_ids[0], kl[0].double()))
-            if dist.is_initialized() and self.dp_size > 1:
+                kl_sums.index_add_(0, members[batch.segment_ids[0]], kl[0].double())
+            if dist.is_initialized() and dist.get_world_size() > 1:
                 from megatron.core import parallel_state
 
-                dist.all_reduce(kl_sums, group=parallel_state.get_data_parallel_group())
+                # each token lives on one (DP, CP) rank
+                dist.all_reduce(kl_sums, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
         rewards = totals.double()
         if rl.kl_coef and rl.kl_placement == "reward":
             rewards = kl_penalized_rewards(rewards, kl_sums, rl.kl_coef)
@@ -221,9 +223,7 @@ class RLTrainer(Trainer):
         normalizer = default_normalizer(rl.prompts_per_step, rl.max_new_tokens)
         self._rl_batches = []
         for index, (members, batch) in enumerate(batches):
-            per_sample = advantages[torch.tensor(members)].float()
-            batch.advantages = batch.loss_mask * per_sample[batch.segment_ids[0]][None]
-            batch = zigzag_batch(batch, self.cp_size, self.cp_rank, pad_to_multiple=True)
+            batch.advantages = batch.loss_mask * advantages[members].float()[batch.segment_ids[0]][None]
             first = index == 0 and self.dp_rank == 0 and self.cp_rank == 0
             self._rl_batches.append(dataclasses.replace(batch, normalizer_share=normalizer if first else 0.0))
         lengths = torch.tensor([len(s.completion_ids) for s in samples], dtype=torch.float32)
