@@ -110,6 +110,35 @@ def _decode_block(text: str, start: int) -> tuple[Any, int, str | None]:
     return None, close + len(CALL_CLOSE), problem
 
 
+@dataclasses.dataclass(frozen=True)
+class CallBlock:
+    """Where one ``<tool_call>`` block lies in a text: ``text[start:end]``; `call` or `problem`."""
+
+    start: int
+    end: int
+    call: ToolCall | None
+    problem: str | None
+
+
+def tool_call_blocks(text: str) -> list[CallBlock]:
+    """Every ``<tool_call>`` block of `text`, well-formed or not, in order (never raises).
+
+    A malformed block runs to the next closing tag (or the end of the text);
+    its `problem` says what is wrong, with the fix. The agent environment uses
+    the spans to count which generated tokens are calls.
+    """
+    blocks: list[CallBlock] = []
+    position = 0
+    while True:
+        start = text.find(CALL_OPEN, position)
+        if start < 0:
+            return blocks
+        value, end, problem = _decode_block(text, start + len(CALL_OPEN))
+        call = ToolCall(value["name"], value["arguments"]) if problem is None else None
+        blocks.append(CallBlock(start, end, call, problem))
+        position = end
+
+
 def parse_tool_calls(text: str) -> tuple[str, list[ToolCall], list[str]]:
     """Split model output into its text and its tool calls.
 
@@ -124,20 +153,15 @@ def parse_tool_calls(text: str) -> tuple[str, list[ToolCall], list[str]]:
     calls: list[ToolCall] = []
     errors: list[str] = []
     position = 0
-    while True:
-        start = text.find(CALL_OPEN, position)
-        if start < 0:
-            kept.append(text[position:])
-            break
-        kept.append(text[position:start])
-        number = len(calls) + len(errors) + 1
-        value, end, problem = _decode_block(text, start + len(CALL_OPEN))
-        if problem is None:
-            calls.append(ToolCall(value["name"], value["arguments"]))
+    for number, block in enumerate(tool_call_blocks(text), start=1):
+        kept.append(text[position:block.start])
+        if block.call is not None:
+            calls.append(block.call)
         else:
-            errors.append(f"tool call {number}: {problem}; write {_EXAMPLE_CALL}")
-            kept.append(text[start:end])
-        position = end
+            errors.append(f"tool call {number}: {block.problem}; write {_EXAMPLE_CALL}")
+            kept.append(text[block.start:block.end])
+        position = block.end
+    kept.append(text[position:])
     return "".join(kept).strip(), calls, errors
 
 

@@ -1,0 +1,312 @@
+"""The agent loop, token in and token out: multi-turn rollouts with tools and self-summarization.
+
+A trajectory is built as token ids, never as text to re-tokenize:
+
+    segment prompt   render_chat([system, user: the task], add_generation_prompt=True)
+    model turn       the ids the sampler generated, as they came (trained)
+    tool turn        <|user|> + encode(the tool responses) + <|end|> + <|assistant|> (not trained)
+
+so the ids the trainer sees are exactly the ids the sampler produced and
+conditioned on. Each model turn is one `RolloutClient.generate` call with the
+whole segment so far as its prompt (the in-process `Engine` or any
+OpenAI-compatible server); its reply goes to `ToolSet.respond`, whose
+observation is tokenized once and appended. A turn cut by the token limit
+gets an `<|end|>` appended (not trained). The loop stops at `finish` (or a
+reply with no call), after `max_turns` model turns, or when the generated
+tokens reach `max_total_tokens`.
+
+Self-summarization: when a segment's context reaches
+`summary_trigger_tokens`, the loop appends `SUMMARY_PROMPT` as a user turn
+and the model writes a summary (trained). The next segment starts from the
+system prompt and the task followed by `SUMMARY_HEADER` and that summary,
+and this repeats up to `max_summaries` times (then the context limit ends
+the trajectory, stop reason "context"). Every segment is its own training
+sample and all of them receive the trajectory's final reward, so a summary
+is reinforced exactly when the work it carried forward succeeded.
+
+Counts (for the length penalty, `rewards.EffortCounts`): every generated
+token is counted once, by where its first character falls in the decoded
+turn: inside a `finish` call block (final message), inside any other call
+block (tool call; malformed blocks too), or elsewhere (thinking: prose,
+summaries and the stop token). Tool-output tokens are every appended token
+that was not generated (responses, role tokens, the summary request).
+`turns` counts model turns that answer the task (summaries excluded) and
+`tool_calls` the call blocks written.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import torch
+
+from ..data.sft import render_chat
+from ..data.tool_calls import tool_call_blocks
+from ..inference.params import SamplingParams
+from .rewards import EffortCounts
+from .tools import TOOLS, ToolEvent, ToolSet, render_tool_prompt
+
+SYSTEM_PROMPT = ("You are a coding agent working in a repository at /workspace. Use the tools to inspect "
+                 "and change files and to run the tests, one call per reply, then call finish with a short "
+                 "message saying what you did.")
+SUMMARY_PROMPT = ("Your context is full. Write a summary of your work so far that lets you continue: the task, "
+                  "what you did, what you found, and what is left. Reply with the summary only.")
+SUMMARY_HEADER = "Summary of your earlier work on this task:\n"
+_CUT_NOTE = "\n[... output cut]"
+STOP_REASONS = ("finish", "no_tool_call", "max_turns", "token_budget", "context")
+
+
+def system_prompt(tool_names: Sequence[str] = tuple(TOOLS)) -> str:
+    """The system message of every segment: the role and the tools offered."""
+    return f"{SYSTEM_PROMPT}\n\n{render_tool_prompt(tool_names)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentConfig:
+    """Limits of one trajectory.
+
+    max_context_tokens: one segment's length (prompt + everything appended); at most
+        the engine's max_model_len.
+    max_total_tokens: the token budget: generated tokens over all segments (None: only
+        max_turns bounds it).
+    summary_trigger_tokens: summarize when a segment's context reaches this (None: never).
+    """
+
+    max_turns: int = 8
+    max_turn_tokens: int = 128
+    max_context_tokens: int = 1024
+    max_total_tokens: Optional[int] = None
+    max_observation_tokens: int = 256
+    summary_trigger_tokens: Optional[int] = None
+    max_summaries: int = 2
+    summary_max_tokens: int = 96
+    temperature: float = 1.0
+    top_p: float = 1.0
+    return_routed_experts: bool = False
+
+    def __post_init__(self):
+        for name in ("max_turns", "max_turn_tokens", "max_context_tokens", "max_observation_tokens",
+                     "summary_max_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"AgentConfig.{name} = {getattr(self, name)} must be >= 1")
+        if self.max_total_tokens is not None and self.max_total_tokens < 1:
+            raise ValueError(f"the token budget {self.max_total_tokens} must be >= 1 (or None)")
+        if self.max_summaries < 0:
+            raise ValueError(f"max_summaries = {self.max_summaries} must be >= 0")
+        trigger = self.summary_trigger_tokens
+        if trigger is not None and not (trigger >= 1 and trigger + self.summary_max_tokens < self.max_context_tokens):
+            raise ValueError(f"--summary-trigger-tokens {trigger} + --summary-max-tokens {self.summary_max_tokens} "
+                             f"must stay below the context ({self.max_context_tokens} tokens) with room for the "
+                             "summary request; lower the trigger")
+
+
+@dataclasses.dataclass
+class Segment:
+    """One training sample of a trajectory: a prompt and everything appended to it."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int] = dataclasses.field(default_factory=list)
+    trained: list[int] = dataclasses.field(default_factory=list)  # 1: generated by the model
+    logprobs: list[float] = dataclasses.field(default_factory=list)  # sampler's, 0.0 on appended tokens
+    policy_versions: list[int] = dataclasses.field(default_factory=list)  # -1 on appended tokens
+    routed_experts: Optional[torch.Tensor] = None  # int32 [prompt + completion, layers, topk], -1 unknown
+    summary: Optional[str] = None  # the summary this segment ended with
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.completion_ids)
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt_ids + self.completion_ids
+
+    def append(self, ids: Sequence[int], *, trained: bool, logprobs: Sequence[float] = (),
+               versions: Sequence[int] = ()) -> None:
+        n = len(ids)
+        self.completion_ids += list(ids)
+        self.trained += [int(trained)] * n
+        self.logprobs += list(logprobs) if trained else [0.0] * n
+        self.policy_versions += list(versions) if trained else [-1] * n
+
+    def record_routes(self, routes: Optional[torch.Tensor]) -> None:
+        """Merge one call's routes (rows for its prompt + generated ids): a row already known keeps
+        the routing it had when its token was processed; unknown rows (-1) take the new ones."""
+        if routes is None:
+            return
+        if self.routed_experts is None:
+            self.routed_experts = routes.clone()
+            return
+        old, n = self.routed_experts, len(self.routed_experts)
+        merged = routes.clone()
+        known = (old[:, 0, 0] >= 0)[:, None, None]
+        merged[:n] = torch.where(known, old, routes[:n])
+        self.routed_experts = merged
+
+    def padded_routes(self) -> Optional[torch.Tensor]:
+        """Routes covering every id (rows never processed are -1)."""
+        if self.routed_experts is None:
+            return None
+        missing = self.length - len(self.routed_experts)
+        if missing <= 0:
+            return self.routed_experts[:self.length]
+        pad = torch.full((missing, *self.routed_experts.shape[1:]), -1, dtype=torch.int32)
+        return torch.cat([self.routed_experts, pad])
+
+
+@dataclasses.dataclass
+class Trajectory:
+    """One rollout of the agent on one task."""
+
+    segments: list[Segment]
+    events: list[ToolEvent]
+    counts: EffortCounts
+    stop_reason: str  # one of STOP_REASONS
+    final_message: Optional[str]
+    summaries: list[str]
+    generated_tokens: int
+
+    @property
+    def finished(self) -> bool:
+        return self.stop_reason == "finish"
+
+
+def _token_starts(tokenizer, ids: Sequence[int]) -> list[int]:
+    """Character offset where each token's text starts in decode(ids)."""
+    starts, previous = [], 0
+    for i in range(len(ids)):
+        starts.append(previous)
+        previous = max(previous, len(tokenizer.decode(ids[:i + 1])))
+    return starts
+
+
+class _Counter:
+    def __init__(self):
+        self.thinking = self.tool_call = self.tool_output = self.final = self.calls = self.turns = 0
+
+    def generated(self, tokenizer, ids: Sequence[int], stop_ids: Sequence[int]) -> str:
+        """Count one model turn's ids; returns the turn's text (stop token excluded)."""
+        body = list(ids[:-1]) if ids and ids[-1] in stop_ids else list(ids)
+        text = tokenizer.decode(body)
+        blocks = tool_call_blocks(text)
+        self.calls += len(blocks)
+        for start in _token_starts(tokenizer, body):
+            block = next((b for b in blocks if b.start <= start < b.end), None)
+            if block is None:
+                self.thinking += 1
+            elif block.call is not None and block.call.name == "finish":
+                self.final += 1
+            else:
+                self.tool_call += 1
+        self.thinking += len(ids) - len(body)
+        return text
+
+    def effort(self) -> EffortCounts:
+        return EffortCounts(thinking_tokens=self.thinking, tool_call_tokens=self.tool_call,
+                            tool_output_tokens=self.tool_output, final_message_tokens=self.final,
+                            tool_calls=self.calls, turns=self.turns)
+
+
+class Agent:
+    """Runs trajectories for one task's tools with a `RolloutClient` (see the module docstring).
+
+    Args:
+        client: anything with `generate(prompts: list[list[int]], params) -> list[Completion]`.
+        tokenizer: the model's tokenizer (with chat tokens).
+        config: an `AgentConfig`.
+    """
+
+    def __init__(self, client, tokenizer, config: AgentConfig = AgentConfig()):
+        self.client, self.tok, self.config = client, tokenizer, config
+        self.stop_ids = (tokenizer.chat["end"], tokenizer.eod)
+
+    def _segment_prompt(self, system: str, instruction: str, summary: Optional[str]) -> list[int]:
+        user = instruction if summary is None else f"{instruction}\n\n{SUMMARY_HEADER}{summary}"
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        return render_chat(messages, self.tok, add_generation_prompt=True)[0]
+
+    def _user_turn(self, text: str, limit: int) -> list[int]:
+        """<|user|> text <|end|> <|assistant|>, the text cut to `limit` tokens (a note marks the cut)."""
+        body = self.tok.encode(text)
+        if len(body) > limit:
+            note = self.tok.encode(_CUT_NOTE)
+            body = body[:max(0, limit - len(note))] + note[:limit]
+        return [self.tok.chat["user"], *body, self.tok.chat["end"], self.tok.chat["assistant"]]
+
+    def _generate(self, ids: list[int], max_tokens: int, seed: int):
+        cfg = self.config
+        params = SamplingParams(max_tokens=max_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                                seed=seed % (2 ** 63), stop_token_ids=self.stop_ids, logprobs=True,
+                                return_routed_experts=cfg.return_routed_experts)
+        return self.client.generate([ids], params)[0]
+
+    def run(self, toolset: ToolSet, instruction: str, *, seed: int = 0,
+            system: Optional[str] = None) -> Trajectory:
+        """One trajectory on `instruction`, its tools run by `toolset`."""
+        cfg, tok = self.config, self.tok
+        system = system_prompt(toolset.names) if system is None else system
+        segment = Segment(self._segment_prompt(system, instruction, None))
+        segments, events, summaries = [segment], [], []
+        counter = _Counter()
+        generated = calls = 0
+        summary_request = self._user_turn(SUMMARY_PROMPT, cfg.max_observation_tokens)
+        summary_reserve = len(summary_request) + cfg.summary_max_tokens
+        final_message, stop = None, None
+
+        def summaries_left() -> bool:
+            return cfg.summary_trigger_tokens is not None and len(summaries) < cfg.max_summaries
+
+        while stop is None:
+            limit = cfg.max_context_tokens - (summary_reserve if summaries_left() else 0)
+            if summaries_left() and segment.length >= min(cfg.summary_trigger_tokens, limit - 1):
+                # self-summarization: the request (not trained), the summary (trained), a new segment
+                segment.append(summary_request, trained=False)
+                counter.tool_output += len(summary_request)
+                room = cfg.max_context_tokens - segment.length
+                out = self._generate(segment.ids, min(cfg.summary_max_tokens, room), seed * 1_000_003 + calls)
+                calls += 1
+                segment.record_routes(out.routed_experts)
+                segment.append(out.token_ids, trained=True, logprobs=out.logprobs, versions=out.policy_versions)
+                generated += len(out.token_ids)
+                summary = counter.generated(tok, out.token_ids, self.stop_ids).strip()
+                segment.summary = summary
+                summaries.append(summary)
+                segment = Segment(self._segment_prompt(system, instruction, summary))
+                segments.append(segment)
+                continue
+            if counter.turns >= cfg.max_turns:
+                stop = "max_turns"
+                break
+            budget = None if cfg.max_total_tokens is None else cfg.max_total_tokens - generated
+            if budget is not None and budget <= 0:
+                stop = "token_budget"
+                break
+            room = limit - segment.length
+            if room < 1:
+                stop = "context"
+                break
+            max_tokens = min(cfg.max_turn_tokens, room, budget if budget is not None else room)
+            out = self._generate(segment.ids, max_tokens, seed * 1_000_003 + calls)
+            calls += 1
+            counter.turns += 1
+            segment.record_routes(out.routed_experts)
+            segment.append(out.token_ids, trained=True, logprobs=out.logprobs, versions=out.policy_versions)
+            generated += len(out.token_ids)
+            text = counter.generated(tok, out.token_ids, self.stop_ids)
+            if not out.token_ids or out.token_ids[-1] not in self.stop_ids:
+                segment.append([tok.chat["end"]], trained=False)  # the turn was cut: close it
+                counter.tool_output += 1
+                if cfg.max_total_tokens is not None and generated >= cfg.max_total_tokens:
+                    stop = "token_budget"  # cut by the budget: its calls are not run
+                    break
+            turn = toolset.respond(text)
+            events += turn.events
+            if turn.finished:
+                final_message = turn.final_message
+                stop = "finish" if any(e.name == "finish" and e.ok for e in turn.events) else "no_tool_call"
+                break
+            limit_now = cfg.max_context_tokens - (summary_reserve if summaries_left() else 0)
+            observation = self._user_turn(turn.observation, min(cfg.max_observation_tokens,
+                                                                max(0, limit_now - segment.length - 3)))
+            segment.append(observation, trained=False)
+            counter.tool_output += len(observation)
+        return Trajectory(segments, events, counter.effort(), stop, final_message, summaries, generated)
