@@ -41,6 +41,7 @@ setup(
         "fastapi",  # inference/server.py
         "uvicorn",
         "matplotlib",  # PNG plots in run directories (RL reward curve)
+        "pyflakes",  # rl/agentic_rewards.py: the style reward term
     ],
     extras_require={
         # triton: the quantization kernels' tests run through its CPU interpreter; CUDA builds of

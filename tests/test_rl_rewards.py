@@ -144,7 +144,8 @@ def test_parse_reward_weights():
 
 
 @pytest.mark.parametrize("spec,message", [
-    ("style=0.1", r"unknown reward term 'style' .* known terms: \['correctness', 'length'\]"),
+    ("brevity=0.1", r"unknown reward term 'brevity' .* known terms: \['all_pass', 'communication', "
+                    r"'correctness', 'length', 'style', 'tool_misuse'\]"),
     ("correctness", r"item 'correctness' in 'correctness' is not name=weight"),
     ("correctness=1.0,", r"item '' in 'correctness=1.0,' is not name=weight"),
     ("=1.0", r"item '=1.0' .* is not name=weight"),
@@ -161,11 +162,11 @@ def test_parse_reward_weights_errors(spec, message):
 
 def test_register_reward_term():
     registry = dict(REWARD_TERMS)
-    register_reward_term("style", lambda s: s.style, registry=registry)
-    assert "style" in registry and "style" not in REWARD_TERMS
-    with pytest.raises(ValueError, match="'style' is already registered; pass replace=True"):
-        register_reward_term("style", lambda s: 0.0, registry=registry)
-    register_reward_term("style", lambda s: 0.0, registry=registry, replace=True)
+    register_reward_term("brevity", lambda s: s.brevity, registry=registry)
+    assert "brevity" in registry and "brevity" not in REWARD_TERMS
+    with pytest.raises(ValueError, match="'brevity' is already registered; pass replace=True"):
+        register_reward_term("brevity", lambda s: 0.0, registry=registry)
+    register_reward_term("brevity", lambda s: 0.0, registry=registry, replace=True)
     with pytest.raises(ValueError, match="without ',', '=' or spaces"):
         register_reward_term("a=b", lambda s: 0.0, registry=registry)
     with pytest.raises(ValueError, match="is not callable"):
@@ -194,5 +195,5 @@ def test_score_keeps_every_term_per_sample():
     torch.testing.assert_close(total, torch.tensor([0.8, -0.4]))
     total, per_term = score(samples, {"correctness": 1.0})  # only the weighted terms are evaluated
     assert list(per_term) == ["correctness"] and total.tolist() == [1.0, 0.0]
-    with pytest.raises(ValueError, match=r"reward terms \['style'\] are not registered"):
-        score(samples, {"style": 1.0})
+    with pytest.raises(ValueError, match=r"reward terms \['brevity'\] are not registered"):
+        score(samples, {"brevity": 1.0})

@@ -4,7 +4,11 @@ A sample's reward is a weighted sum of named terms, `--reward
 correctness=1.0,length=0.001,...`; every term's value is kept per sample so
 the loop can log each one. Built-in terms:
 
-    correctness   sample.correctness (a float, e.g. 1.0 if the tests pass)
+    correctness   sample.correctness (a float, e.g. the fraction of tests that pass)
+    all_pass      sample.all_pass (1.0 when every test passes)
+    style         sample.style (-(style issues the model added), 0 is clean; `agentic_rewards`)
+    communication sample.communication (1.0 for a final message of sensible length)
+    tool_misuse   sample.tool_misuse (-(misused tool calls), 0 is clean)
     length        -length_penalty(effort(sample.effort_counts, w), k, q)
 
 The length penalty is the recipe's concave, increasing
@@ -15,9 +19,9 @@ q > 1 is bounded by 1 / (k (q - 1)): small efforts cost about linearly,
 long ones ever less per unit. The recipe publishes neither k, q nor the
 weights; the defaults below are ours.
 
-Samples are duck-typed: a term reads the attributes it needs (`correctness:
-float` and `effort_counts: EffortCounts` for the built-ins). A new term is a
-function sample -> float, added with `register_reward_term`.
+Samples are duck-typed: a term reads the attributes it needs (the verdict
+terms a float of their own name, length `effort_counts: EffortCounts`). A new
+term is a function sample -> float, added with `register_reward_term`.
 """
 from __future__ import annotations
 
@@ -129,9 +133,26 @@ class LengthPenaltyConfig:
 RewardFn = Callable[[Any], float]
 
 
-def correctness_term(sample: Any) -> float:
-    """The task's verdict: `sample.correctness` (float)."""
-    return float(sample.correctness)
+VERDICT_TERMS = ("correctness", "all_pass", "style", "communication", "tool_misuse")
+
+
+def verdict_term(name: str) -> RewardFn:
+    """The term that reads the environment's verdict value `float(sample.<name>)`."""
+
+    def term(sample: Any) -> float:
+        try:
+            value = getattr(sample, name)
+        except AttributeError:
+            raise ValueError(f"reward term {name!r} reads sample.{name}, which {type(sample).__name__} "
+                             f"lacks; the environment's verdict must carry {name!r}, or drop it "
+                             "from --reward") from None
+        return float(value)
+
+    term.__name__ = term.__qualname__ = f"{name}_term"
+    return term
+
+
+correctness_term = verdict_term("correctness")
 
 
 def length_term(config: LengthPenaltyConfig) -> RewardFn:
@@ -159,7 +180,9 @@ def register_reward_term(name: str, fn: RewardFn, *, registry: Optional[dict[str
     registry[name] = fn
 
 
-register_reward_term("correctness", correctness_term)
+for _verdict in VERDICT_TERMS:
+    register_reward_term(_verdict, verdict_term(_verdict))
+del _verdict
 register_reward_term("length", length_term(LengthPenaltyConfig()))
 
 
