@@ -21,9 +21,6 @@ import dataclasses
 import hashlib
 from pathlib import Path
 
-from ...data.corpus import module_name, stdlib_corpus
-from ...data.synthetic_sft import sft_examples_from_source
-
 _FENCE = "```python\n"
 
 
@@ -74,6 +71,11 @@ class CompleteFunctionTask:
 
     def prompts(self) -> list[TaskPrompt]:
         if self._prompts is None:
+            # Imported here: `...data` pulls in megatron-core and torch, which the light
+            # processes that only need the coding tasks of this package never use.
+            from ...data.corpus import module_name, stdlib_corpus
+            from ...data.synthetic_sft import sft_examples_from_source
+
             found = []
             for path in stdlib_corpus(self.split):
                 try:
