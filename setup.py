@@ -28,6 +28,8 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_composer", "megatron_composer.*"]),
     py_modules=["pretrain_cpt", "train_rl"],
+    # The feature-deletion family's code base: plain files, not packages of ours.
+    package_data={"megatron_composer.rl.tasks.coding": ["codebase/*.py", "codebase/*/*.py"]},
     install_requires=[
         TORCH,
         "megatron-core==0.16.1",

@@ -1,0 +1,1 @@
+"""minikit: small text, number and data-structure helpers."""
