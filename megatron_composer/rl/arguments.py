@@ -6,7 +6,7 @@ from typing import Optional
 from ..config import TrainingConfig
 from ..training.arguments import build_parser, parse_args
 from .algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS
-from .config import KL_PLACEMENTS, RLConfig
+from .config import ENVS, KL_PLACEMENTS, RLConfig
 from .tasks import TASKS
 
 
@@ -42,6 +42,27 @@ def build_rl_parser():
     g.add_argument("--rl-micro-batch-tokens", dest="micro_batch_tokens", type=int, default=d.micro_batch_tokens,
                    help="packed tokens per training micro-batch")
     g.add_argument("--rollout-batch-size", type=int, default=d.rollout_batch_size, help="engine cache slots")
+
+    g = p.add_argument_group("agentic environment (--env agentic-coding)")
+    g.add_argument("--env", choices=ENVS, default=d.env,
+                   help="single-turn: one completion scored by --task; agentic-coding: tool use in a sandbox")
+    g.add_argument("--task-families", default=d.task_families,
+                   help="comma list of coding task families (rl/tasks/coding), e.g. write-file,fix-bug")
+    g.add_argument("--max-turns", type=int, default=d.max_turns, help="model turns per trajectory")
+    g.add_argument("--token-budget", type=int, default=d.token_budget,
+                   help="generated tokens per trajectory (default: max-turns x max-new-tokens)")
+    g.add_argument("--max-observation-tokens", type=int, default=d.max_observation_tokens,
+                   help="a tool's output is cut to this many tokens")
+    g.add_argument("--summary-trigger-tokens", type=int, default=d.summary_trigger_tokens,
+                   help="self-summarize when a segment's context reaches this many tokens (default: never)")
+    g.add_argument("--max-summaries", type=int, default=d.max_summaries)
+    g.add_argument("--summary-max-tokens", type=int, default=d.summary_max_tokens)
+    g.add_argument("--episode-workers", type=int, default=d.episode_workers, help="trajectories run at once")
+    g.add_argument("--sandbox-timeout-s", type=float, default=d.sandbox_timeout_s,
+                   help="wall-time limit of each sandboxed command")
+    g.add_argument("--eval-tasks", type=int, default=d.eval_tasks,
+                   help="held-out tasks solved greedily before the first step, every --eval-interval steps "
+                        "and at the end")
     return p
 
 
@@ -50,7 +71,9 @@ def parse_rl_args(argv: Optional[list[str]] = None):
     args = parse_args(argv, build_rl_parser())
     args.stage = "rl"
     cfg = TrainingConfig.from_args(args)
-    rl = RLConfig(**{f: getattr(args, f) for f in RLConfig.__dataclass_fields__})
+    values = {f: getattr(args, f) for f in RLConfig.__dataclass_fields__}
+    values["eval_interval"] = args.eval_interval or 0  # the shared --eval-interval
+    rl = RLConfig(**values)
     if rl.micro_batch_tokens < args.seq_length:
         raise ValueError(f"--rl-micro-batch-tokens {rl.micro_batch_tokens} is below --seq-length "
                          f"{args.seq_length}: a sample of full length would fit no micro-batch")

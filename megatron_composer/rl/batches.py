@@ -2,7 +2,8 @@
 
 One sample is its prompt and completion as one token sequence x_0 .. x_{n-1}
 (P prompt tokens). Position t predicts x_{t+1}, so the trained positions are
-P - 1 .. n - 2, each carrying its sample's advantage and the log-prob the
+P - 1 .. n - 2 (in a multi-turn sample only those whose next token the model
+generated, `loss_mask`: tool outputs are context), each carrying its sample's advantage and the log-prob the
 sampler gave x_{t+1} (temperature 1, for the train-vs-rollout mismatch and
 truncated importance sampling). The routing records of the engine travel per
 token (`routed_experts[t]` = the experts x_t was routed to), so packing and
@@ -41,6 +42,10 @@ class RolloutSample:
     rewards: dict = dataclasses.field(default_factory=dict)  # term -> value
     reward: float = 0.0
     advantage: float = 0.0
+    trajectory: int = -1  # index of its trajectory in the step; the segments of one share it
+    loss_mask: Optional[list[int]] = None  # per completion token, 1: generated (trained); None: all
+    effort: Optional[object] = None  # rewards.EffortCounts of its trajectory (None: one turn of completion_ids)
+    info: dict = dataclasses.field(default_factory=dict)  # per-trajectory metrics (agentic: turns, summaries, ...)
 
     @property
     def length(self) -> int:
@@ -80,9 +85,12 @@ def pack_samples(samples: list[RolloutSample], pad_token: int = 0) -> RLBatch:
         ids = s.prompt_ids + s.completion_ids
         n, p = len(ids), len(s.prompt_ids)
         trained = torch.zeros(n)
-        trained[p - 1:n - 1] = 1.0
+        if s.loss_mask is None:
+            trained[p - 1:n - 1] = 1.0
+        else:  # multi-turn: only the tokens the model generated are targets
+            trained[p - 1:n - 1] = torch.tensor(s.loss_mask[:n - p], dtype=torch.float32)
         logp = torch.zeros(n)
-        logp[p - 1:n - 1] = torch.tensor(s.sampler_logprobs[:n - p], dtype=torch.float32)
+        logp[p - 1:n - 1] = torch.tensor(s.sampler_logprobs[:n - p], dtype=torch.float32) * trained[p - 1:n - 1]
         tokens.append(torch.tensor(ids))
         labels.append(torch.tensor(ids[1:] + [pad_token]))
         mask.append(trained)

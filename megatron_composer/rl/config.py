@@ -7,6 +7,7 @@ from typing import Optional
 from .algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS
 
 KL_PLACEMENTS = ("reward", "loss")
+ENVS = ("single-turn", "agentic-coding")
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,20 @@ class RLConfig:
     replay_plausibility_threshold: float = 0.0
     micro_batch_tokens: int = 2048  # packed tokens per micro-batch
     rollout_batch_size: int = 64  # engine cache slots
+    # the environment: "single-turn" (one completion per sample, scored by --task) or
+    # "agentic-coding" (multi-turn tool use on --task-families; max_new_tokens is per turn)
+    env: str = "single-turn"
+    task_families: str = "write-file"
+    max_turns: int = 6
+    token_budget: Optional[int] = None  # generated tokens per trajectory (None: max_turns x max_new_tokens)
+    max_observation_tokens: int = 192
+    summary_trigger_tokens: Optional[int] = None
+    max_summaries: int = 2
+    summary_max_tokens: int = 96
+    episode_workers: int = 16  # trajectories run at once (threads; their turns share the engine's batch)
+    sandbox_timeout_s: float = 10.0
+    eval_tasks: int = 0  # held-out tasks evaluated (greedy) before the first step, every eval_interval, at the end
+    eval_interval: int = 0
 
     def __post_init__(self):
         for name in ("group_size", "prompts_per_step", "max_new_tokens", "micro_batch_tokens", "rollout_batch_size"):
@@ -42,6 +57,22 @@ class RLConfig:
             raise ValueError(f"--advantage {self.advantage!r}; use one of {', '.join(ADVANTAGE_ESTIMATORS)}")
         if self.kl_kind not in KL_ESTIMATORS:
             raise ValueError(f"--kl-kind {self.kl_kind!r}; use one of {', '.join(KL_ESTIMATORS)}")
+        if self.env not in ENVS:
+            raise ValueError(f"--env {self.env!r}; use one of {', '.join(ENVS)}")
+        for name in ("max_turns", "max_observation_tokens", "summary_max_tokens", "episode_workers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.token_budget is not None and self.token_budget < 1:
+            raise ValueError(f"--token-budget {self.token_budget} must be >= 1")
+        if self.eval_tasks < 0 or self.eval_interval < 0:
+            raise ValueError(f"--eval-tasks {self.eval_tasks} and --eval-interval {self.eval_interval} must be >= 0")
+        if self.env == "agentic-coding":
+            from .tasks.coding import FAMILIES
+
+            unknown = [f for f in self.families if f not in FAMILIES]
+            if unknown or not self.families:
+                raise ValueError(f"--task-families {self.task_families!r}: unknown family "
+                                 f"{(unknown or [''])[0]!r}; use a comma list of {', '.join(FAMILIES)}")
         if self.kl_placement not in KL_PLACEMENTS:
             raise ValueError(f"--kl-placement {self.kl_placement!r}; use one of {', '.join(KL_PLACEMENTS)}")
         if self.kl_coef < 0:
@@ -54,3 +85,14 @@ class RLConfig:
         LengthPenaltyConfig(k=self.length_penalty_k, q=self.length_penalty_q)
         if not 0 <= self.replay_plausibility_threshold <= 1:
             raise ValueError(f"--replay-plausibility-threshold {self.replay_plausibility_threshold}; use [0, 1]")
+
+    @property
+    def families(self) -> tuple:
+        return tuple(f.strip() for f in self.task_families.split(",") if f.strip())
+
+    @property
+    def trajectory_tokens(self) -> int:
+        """The most tokens one trajectory generates (the loss normalizer's per-group length)."""
+        if self.env == "single-turn":
+            return self.max_new_tokens
+        return self.token_budget or self.max_turns * self.max_new_tokens

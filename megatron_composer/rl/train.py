@@ -30,7 +30,10 @@ def train_rl(argv: Optional[list[str]] = None) -> RLTrainer:
                          wandb_name=args.wandb_exp_name, wandb_dir=args.wandb_save_dir)
     trainer = RLTrainer(model_cfg, layout, cfg, rl, tokenizer, log=log)
     counts = count_parameters(model_cfg)
-    log.print(f"> RL task {rl.task}: {len(trainer.prompts)} prompts, {rl.prompts_per_step} x {rl.group_size} "
+    what = (f"RL task {rl.task}: {len(trainer.prompts)} prompts" if trainer.env is None else
+            f"RL env {rl.env} ({rl.task_families}): {len(trainer.prompts)} tasks, up to {rl.max_turns} turns of "
+            f"{rl.max_new_tokens} tokens, summaries at {rl.summary_trigger_tokens or 'never'}")
+    log.print(f"> {what}, {rl.prompts_per_step} x {rl.group_size} "
               f"samples per step, {rl.max_new_tokens} new tokens, advantage {rl.advantage}, "
               f"kl {rl.kl_coef} ({rl.kl_kind} in the {rl.kl_placement}), router replay "
               f"{'on' if trainer.replay is not None else 'off'}; model {counts.total / 1e6:.2f}M parameters, "

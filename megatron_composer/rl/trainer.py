@@ -47,15 +47,18 @@ from .config import RLConfig
 from .loss import PolicyLoss
 from .packing import attention_costs, plan_step
 from .rewards import REWARD_TERMS, EffortCounts, LengthPenaltyConfig, length_term, parse_reward_weights, score
+from .agent import system_prompt
 from .tasks import get_task
 
 
 class _Scored:
-    """What `rewards.score`'s terms read from a sample."""
+    """What `rewards.score`'s terms read from a sample: its verdict's values as attributes, and its effort."""
 
     def __init__(self, sample: RolloutSample):
+        for name, value in sample.rewards.items():
+            setattr(self, name, value)
         self.correctness = sample.rewards.get("correctness", 0.0)
-        self.effort_counts = EffortCounts(final_message_tokens=len(sample.completion_ids), turns=1)
+        self.effort_counts = sample.effort or EffortCounts(final_message_tokens=len(sample.completion_ids), turns=1)
 
 
 class RLTrainer(Trainer):
@@ -82,12 +85,29 @@ class RLTrainer(Trainer):
         max_len = min(cfg.seq_length, model_cfg.max_position_embeddings)
         self.engine = Engine(self.model, model_cfg, tokenizer, max_batch_size=rl.rollout_batch_size,
                              max_model_len=max_len)
-        self.prompts = self._fitting_prompts(max_len)
+        self.env = self.agent = None
+        if rl.env == "agentic-coding":
+            from .agent import Agent, AgentConfig
+            from .agentic import AgenticCodingEnv
+
+            self.sandbox_kwargs = {"timeout_s": rl.sandbox_timeout_s}
+            self.env = AgenticCodingEnv(rl.families, split="train", sandbox_kwargs=self.sandbox_kwargs)
+            self.agent_config = AgentConfig(
+                max_turns=rl.max_turns, max_turn_tokens=rl.max_new_tokens, max_context_tokens=max_len,
+                max_total_tokens=rl.token_budget, max_observation_tokens=rl.max_observation_tokens,
+                summary_trigger_tokens=rl.summary_trigger_tokens, max_summaries=rl.max_summaries,
+                summary_max_tokens=rl.summary_max_tokens, temperature=rl.temperature, top_p=rl.top_p,
+                return_routed_experts=self.replay is not None)
+            self.agent = Agent(self.engine, tokenizer, self.agent_config)
+            self.prompts = self._fitting_tasks(self.env, max_len)
+        else:
+            self.prompts = self._fitting_prompts(max_len)
         self.linear_cost, self.quadratic_cost = attention_costs(model_cfg)
         self.reference = None
         self.reference_path: Optional[str] = cfg.checkpoint.load
         self._rl_batches: list = []
         self.history: list[dict] = []
+        self.eval_history: list[dict] = []
 
     # ---- state --------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -106,6 +126,16 @@ class RLTrainer(Trainer):
                 fitting.append((prompt, ids))
         if not fitting:
             raise ValueError(f"no {self.rl.task} prompt fits --seq-length {max_len} with --max-new-tokens "
+                             f"{self.rl.max_new_tokens}; raise --seq-length or lower --max-new-tokens")
+        return fitting
+
+    def _fitting_tasks(self, env, max_len: int) -> list:
+        """The env's tasks whose first prompt leaves room for a turn (each is a group's task)."""
+        room = max_len - self.rl.max_new_tokens
+        fitting = [t for t in env.tasks() if len(self.agent.segment_prompt(
+            system_prompt(env.tool_names), t.instruction, None)) <= room]
+        if not fitting:
+            raise ValueError(f"no {','.join(env.families)} task fits --seq-length {max_len} with --max-new-tokens "
                              f"{self.rl.max_new_tokens}; raise --seq-length or lower --max-new-tokens")
         return fitting
 
@@ -147,17 +177,49 @@ class RLTrainer(Trainer):
         n, k = len(self.prompts), self.rl.prompts_per_step
         return [self.prompts[(iteration * k + i) % n] for i in range(k)]
 
+    def _seed(self, iteration: int, group: int, index: int) -> int:
+        rl = self.rl
+        return (self.cfg.seed * 1_000_003 + iteration * 10_007 + group * rl.group_size + index) % (2 ** 63)
+
+    def _agentic_samples(self, iteration: int, mine: list[int]) -> list[RolloutSample]:
+        """This rank's groups as agent episodes: one sample per segment of each trajectory."""
+        rl, tasks = self.rl, self._step_prompts(iteration)
+        jobs = [(tasks[g], self._seed(iteration, g, i)) for g in mine for i in range(rl.group_size)]
+        self.engine.start()  # the episodes' threads meet in the engine's batch
+        try:
+            results = self.env.episodes(self.agent, jobs, max_workers=rl.episode_workers)
+        finally:
+            self.engine.stop()
+        samples = []
+        for j, result in enumerate(results):
+            g, i = mine[j // rl.group_size], j % rl.group_size
+            traj = result.trajectory
+            info = {"turns": traj.counts.turns, "summaries": len(traj.summaries),
+                    "summary tokens": sum(len(self.tokenizer.encode(x)) for x in traj.summaries),
+                    "finished": float(traj.finished), "generated tokens": traj.generated_tokens,
+                    "tool calls": traj.counts.tool_calls}
+            for seg in traj.segments:
+                samples.append(RolloutSample(
+                    g, seg.prompt_ids, seg.completion_ids, seg.logprobs, seg.padded_routes(), seg.policy_versions,
+                    traj.stop_reason, traj.final_message or "", rewards=dict(result.verdict),
+                    trajectory=g * rl.group_size + i, loss_mask=seg.trained, effort=traj.counts, info=info))
+        return samples
+
     def rollouts(self, iteration: int) -> list[RolloutSample]:
         """Every group of this step (this DP rank samples its share; all ranks get all)."""
         rl, tok = self.rl, self.tokenizer
         self.model.eval()
         mine = [g for g in range(rl.prompts_per_step) if g % self.dp_size == self.dp_rank]
+        if self.env is not None:
+            samples = self._agentic_samples(iteration, mine)
+            self.model.train()
+            return self._gather(samples)
         prompts = self._step_prompts(iteration)
         handles = []
         for g in mine:
             prompt, ids = prompts[g]
             for i in range(rl.group_size):
-                seed = (self.cfg.seed * 1_000_003 + iteration * 10_007 + g * rl.group_size + i) % (2 ** 63)
+                seed = self._seed(iteration, g, i)
                 params = SamplingParams(max_tokens=rl.max_new_tokens, temperature=rl.temperature, top_p=rl.top_p,
                                         seed=seed, stop_token_ids=(tok.chat["end"], tok.eod), logprobs=True,
                                         return_routed_experts=self.replay is not None)
@@ -171,8 +233,13 @@ class RLTrainer(Trainer):
             sample = RolloutSample(g, out.prompt_token_ids, out.token_ids, out.logprobs, out.routed_experts,
                                    out.policy_versions, out.finish_reason, text)
             sample.rewards = self.task.verify(prompt, text)
+            sample.trajectory = g * rl.group_size + len([s for s in samples if s.group == g])
             samples.append(sample)
         self.model.train()
+        return self._gather(samples)
+
+    def _gather(self, samples: list[RolloutSample]) -> list[RolloutSample]:
+        """All ranks' samples, each group once, in group order."""
         if dist.is_initialized() and dist.get_world_size() > 1:
             gathered = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, samples)
@@ -197,18 +264,26 @@ class RLTrainer(Trainer):
     def _prepare_batches(self, samples: list[RolloutSample]) -> dict:
         """Score, pack and CP-split this rank's share, compute KL and advantages; returns metrics."""
         rl = self.rl
-        totals, per_term = score([_Scored(s) for s in samples], self.reward_weights, self.reward_terms)
+        count = rl.prompts_per_step * rl.group_size
+        heads: dict[int, RolloutSample] = {}  # each trajectory's first sample carries its verdict
+        for s in samples:
+            heads.setdefault(s.trajectory, s)
+        if sorted(heads) != list(range(count)):
+            raise RuntimeError(f"internal: the step has trajectories {sorted(heads)[:8]}..., expected 0..{count - 1}")
+        trajectories = [heads[t] for t in range(count)]
+        totals, per_term = score([_Scored(s) for s in trajectories], self.reward_weights, self.reward_terms)
+        owner = torch.tensor([s.trajectory for s in samples])  # sample -> its trajectory
         bins = plan_step([s.length for s in samples], self.dp_size, rl.micro_batch_tokens,
                          self.linear_cost, self.quadratic_cost)[self.dp_rank]
         # this rank's context-parallel share of each micro-batch; every per-token field is split alike
         batches = [(torch.tensor(members), zigzag_batch(pack_samples([samples[i] for i in members]), self.cp_size,
                                                         self.cp_rank, pad_to_multiple=True)) for members in bins]
-        kl_sums = torch.zeros(len(samples), dtype=torch.float64)
+        kl_sums = torch.zeros(count, dtype=torch.float64)  # per trajectory
         if self.reference is not None:
             for members, batch in batches:
                 batch.ref_logp = self._reference_logp(batch)
                 kl = kl_estimate(batch.sampler_logp, batch.ref_logp, rl.kl_kind) * batch.loss_mask
-                kl_sums.index_add_(0, members[batch.segment_ids[0]], kl[0].double())
+                kl_sums.index_add_(0, owner[members][batch.segment_ids[0]], kl[0].double())
             if dist.is_initialized() and dist.get_world_size() > 1:
                 from megatron.core import parallel_state
 
@@ -218,23 +293,29 @@ class RLTrainer(Trainer):
         if rl.kl_coef and rl.kl_placement == "reward":
             rewards = kl_penalized_rewards(rewards, kl_sums, rl.kl_coef)
         advantages = group_advantages(rewards.view(rl.prompts_per_step, rl.group_size), rl.advantage).reshape(-1)
-        for s, r, a in zip(samples, rewards.tolist(), advantages.tolist()):
-            s.reward, s.advantage = r, a
-        normalizer = default_normalizer(rl.prompts_per_step, rl.max_new_tokens)
+        for s in samples:
+            s.reward, s.advantage = float(rewards[s.trajectory]), float(advantages[s.trajectory])
+        normalizer = default_normalizer(rl.prompts_per_step, rl.trajectory_tokens)
         self._rl_batches = []
         for index, (members, batch) in enumerate(batches):
-            batch.advantages = batch.loss_mask * advantages[members].float()[batch.segment_ids[0]][None]
+            sample_advantages = advantages[owner[members]].float()
+            batch.advantages = batch.loss_mask * sample_advantages[batch.segment_ids[0]][None]
             first = index == 0 and self.dp_rank == 0 and self.cp_rank == 0
             self._rl_batches.append(dataclasses.replace(batch, normalizer_share=normalizer if first else 0.0))
-        lengths = torch.tensor([len(s.completion_ids) for s in samples], dtype=torch.float32)
+        generated = torch.zeros(count)
+        for s in samples:
+            generated[s.trajectory] += len(s.completion_ids) if s.loss_mask is None else sum(s.loss_mask)
         metrics = {"reward": float(totals.mean()), "advantage abs": float(advantages.abs().mean()),
-                   "completion length": float(lengths.mean()),
-                   "truncated fraction": sum(s.finish_reason == "length" for s in samples) / len(samples)}
+                   "completion length": float(generated.mean()),
+                   "truncated fraction": sum(s.finish_reason in ("length", "max_turns", "token_budget", "context")
+                                             for s in trajectories) / count}
         metrics.update({f"reward {name}": float(v.mean()) for name, v in per_term.items()})
-        for key in sorted({k for s in samples for k in s.rewards}):  # the task's own verdicts
-            metrics[f"task {key}"] = sum(s.rewards.get(key, 0.0) for s in samples) / len(samples)
+        for key in sorted({k for s in trajectories for k in s.rewards}):  # the task's own verdicts
+            metrics[f"task {key}"] = sum(s.rewards.get(key, 0.0) for s in trajectories) / count
+        for key in sorted({k for s in trajectories for k in s.info}):  # agentic: turns, summaries, ...
+            metrics[key] = sum(s.info.get(key, 0.0) for s in trajectories) / count
         if self.reference is not None:
-            metrics["kl to reference"] = float(kl_sums.sum() / lengths.sum().clamp(min=1))
+            metrics["kl to reference"] = float(kl_sums.sum() / generated.sum().clamp(min=1))
         return metrics
 
     def rl_step(self) -> dict:
@@ -257,17 +338,65 @@ class RLTrainer(Trainer):
             metrics["mtp loss"] = result.losses["mtp loss"]
         return metrics
 
+    # ---- held-out evaluation ---------------------------------------------
+    def evaluate(self) -> Optional[dict]:
+        """Greedy episodes on `eval_tasks` held-out tasks (agentic env): solved fraction and more.
+
+        Data-parallel ranks split the tasks; every rank returns the same numbers.
+        """
+        rl = self.rl
+        if self.env is None or not rl.eval_tasks:
+            return None
+        from .agent import Agent
+        from .agentic import AgenticCodingEnv
+
+        if getattr(self, "_eval_env", None) is None:
+            self._eval_env = AgenticCodingEnv(rl.families, split="eval", count=rl.eval_tasks,
+                                              sandbox_kwargs=self.sandbox_kwargs)
+        tasks = self._eval_env.tasks()
+        agent = Agent(self.engine, self.tokenizer, dataclasses.replace(self.agent_config, temperature=0.0))
+        mine = list(range(self.dp_rank, len(tasks), self.dp_size))
+        self.model.eval()
+        self.engine.start()
+        try:
+            results = self._eval_env.episodes(agent, [(tasks[i], i) for i in mine], max_workers=rl.episode_workers)
+        finally:
+            self.engine.stop()
+            self.model.train()
+        rows = {i: (r.verdict["all_pass"], r.verdict["correctness"], r.trajectory.counts.turns,
+                    len(r.trajectory.summaries)) for i, r in zip(mine, results)}
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, rows)
+            rows = {i: row for part in gathered for i, row in part.items()}
+        values = torch.tensor([rows[i] for i in sorted(rows)], dtype=torch.float64).mean(0).tolist()
+        return dict(zip(("eval solved", "eval correctness", "eval turns", "eval summaries"), values),
+                    **{"eval tasks": float(len(rows))})
+
+    def _log_eval(self) -> None:
+        result = self.evaluate()
+        if result is not None:
+            self.eval_history.append(dict(result, iteration=self.state.iteration))
+            self.log.print(f"> eval at step {self.state.iteration}: solved {result['eval solved']:.3f} of "
+                           f"{int(result['eval tasks'])} held-out tasks, correctness {result['eval correctness']:.3f}, "
+                           f"{result['eval turns']:.2f} turns")
+
     # ---- the outer loop -----------------------------------------------------
     def train(self):
         cfg, st = self.cfg, self.state
         if cfg.checkpoint.save:
             self.checkpoints.prepare_save_dir()
+        if st.iteration < cfg.train_iters:
+            self._log_eval()  # where RL starts
         while st.iteration < cfg.train_iters:
             metrics = self.rl_step()
             self.history.append(dict(metrics, iteration=st.iteration))
+            if self.rl.eval_interval and st.iteration % self.rl.eval_interval == 0 and st.iteration < cfg.train_iters:
+                self._log_eval()
             if st.iteration % cfg.log_interval == 0 or st.iteration == cfg.train_iters:
-                line = {k: metrics[k] for k in ("reward", "policy loss", "grad norm", "completion length",
-                                                "logp mismatch mean", "step seconds") if k in metrics}
+                line = {k: metrics[k] for k in ("reward", "task all_pass", "policy loss", "grad norm",
+                                                "completion length", "turns", "summaries", "logp mismatch mean",
+                                                "step seconds") if k in metrics}
                 self.log.log(st.iteration, cfg.train_iters, line, {f"rl/{k}": v for k, v in metrics.items()})
                 self.plot_rewards()
             interval = cfg.checkpoint.save_interval
@@ -275,6 +404,7 @@ class RLTrainer(Trainer):
                 self.checkpoints.save()
         if cfg.checkpoint.save and not (cfg.checkpoint.save_interval and st.iteration % cfg.checkpoint.save_interval == 0):
             self.checkpoints.save()
+        self._log_eval()
         self.plot_rewards()
         return st
 
@@ -294,9 +424,13 @@ class RLTrainer(Trainer):
         fig, ax = plt.subplots(figsize=(6, 3.5))
         ax.plot(steps, rewards.tolist(), alpha=0.4, label="mean reward")
         ax.plot(steps[window - 1:], smooth.tolist(), label=f"{window}-step mean")
+        if self.eval_history:
+            ax.plot([h["iteration"] for h in self.eval_history], [h["eval solved"] for h in self.eval_history],
+                    "o-", label="held-out solved (greedy)")
         ax.set_xlabel("RL step")
         ax.set_ylabel("reward")
-        ax.set_title(f"{self.rl.task}: {self.rl.prompts_per_step} prompts x {self.rl.group_size} samples per step")
+        what = self.rl.task if self.env is None else f"{self.rl.env} ({self.rl.task_families})"
+        ax.set_title(f"{what}: {self.rl.prompts_per_step} x {self.rl.group_size} per step", fontsize=9)
         ax.legend()
         fig.tight_layout()
         os.makedirs(self.cfg.checkpoint.save, exist_ok=True)

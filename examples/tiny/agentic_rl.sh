@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Agentic RL at tiny scale: scripted expert trajectories -> SFT -> RL in the sandboxed coding environment.
+#
+# 1. SFT data: expert trajectories of the coding task families through the real tools
+#    (python -m megatron_composer.rl.sft_trajectories), mostly the simplest family, write-file.
+# 2. SFT on them (loss on the assistant turns), from the cpt-32k checkpoint when it exists.
+# 3. RL (train_rl.py --env agentic-coding) on write-file tasks: multi-turn episodes in bubblewrap
+#    sandboxes, verified by the tasks' pristine tests; the held-out solved fraction (greedy) is
+#    measured before the first step and at the end. Writes $OUT/agentic_rl/reward_curve.png.
+# About ten minutes on a 2-core CPU. SEED=... varies the RL run; SFT_ITERS / RL_ITERS the lengths.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PY=${PY:-.venv/bin/python}
+OUT=${OUT:-runs/tiny}
+DATA="$OUT/agent_sft"
+SEED=${SEED:-1234}
+
+if [ ! -f "$DATA/train.jsonl" ]; then
+    $PY -m megatron_composer.rl.sft_trajectories --families write-file --count ${SFT_TASKS:-1200} \
+        --output "$DATA/write_file.jsonl"
+    $PY -m megatron_composer.rl.sft_trajectories --families set-constant,fix-bug --count 48 \
+        --output "$DATA/other.jsonl"
+    cat "$DATA/write_file.jsonl" "$DATA/other.jsonl" > "$DATA/train.jsonl"
+    $PY -m megatron_composer.rl.sft_trajectories --families write-file --split eval --count 32 \
+        --output "$DATA/valid.jsonl"
+fi
+
+if [ ! -f "$OUT/agent_sft_model/latest_checkpointed_iteration.txt" ]; then
+    LOAD=()
+    [ -f "$OUT/cpt_32k/latest_checkpointed_iteration.txt" ] && LOAD=(--load "$OUT/cpt_32k" --finetune)
+    $PY pretrain_cpt.py \
+        --stage sft --model-preset tiny \
+        --data-path "$DATA/train.jsonl" --valid-data-path "$DATA/valid.jsonl" \
+        --seq-length 512 --micro-batch-size 8 \
+        --train-iters ${SFT_ITERS:-300} \
+        --lr 2e-3 --min-lr 2e-4 --lr-warmup-iters 10 \
+        --log-interval 25 --eval-interval 100 --eval-iters 2 \
+        --save "$OUT/agent_sft_model" \
+        "${LOAD[@]}"
+fi
+
+$PY train_rl.py \
+    --env agentic-coding --task-families write-file \
+    --load "$OUT/agent_sft_model" \
+    --save "$OUT/agentic_rl${SEED:+_seed$SEED}" \
+    --seed "$SEED" \
+    --model-preset tiny --seq-length 512 --rl-micro-batch-tokens 2048 \
+    --train-iters ${RL_ITERS:-30} \
+    --prompts-per-step 4 --group-size 8 --max-new-tokens 64 --max-turns 3 --temperature 1.0 \
+    --lr 3e-4 --min-lr 3e-4 --lr-warmup-iters 0 \
+    --reward correctness=1.0,tool_misuse=0.1 \
+    --eval-tasks ${EVAL_TASKS:-64} \
+    --log-interval 1 \
+    --tensorboard-dir "$OUT/tensorboard_agentic_rl" \
+    "$@"

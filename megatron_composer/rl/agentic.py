@@ -1,0 +1,111 @@
+"""The agentic coding environment: one episode is a task's workspace, its sandbox and tools,
+the agent's trajectory, and the verdict of the task's tests.
+
+    env = AgenticCodingEnv(families=("write-file",))
+    agent = Agent(client, tokenizer, AgentConfig(max_turns=4))
+    result = env.episode(agent, env.tasks()[0], seed=0)
+    result.verdict   # {"correctness": 1.0, "all_pass": 1.0, "style": 0.0, "communication": 1.0, ...}
+
+An episode writes the task's files into a fresh temporary workspace
+(`tasks.coding.prepare_workspace`, which removes caches), runs the agent with
+the tools on it (`run` and the model's `run_tests` in a `Sandbox` on that
+workspace), then verifies: the task's pristine tests run on a fresh copy of
+the workspace (`tasks.coding.run_tests`, with its reward-hacking defenses).
+The verdict holds one value per reward term (`rewards.REWARD_TERMS`):
+
+    correctness     fraction of the task's tests that pass
+    all_pass        1.0 when every test passes
+    style           -(pyflakes warnings and reasoning left in comments) on the changed lines
+    communication   1.0 when `finish` carried a final message of sensible length
+    tool_misuse     -(misused calls: malformed, unknown tool, bad arguments, the terminal
+                    for a dedicated tool, open to-do items at finish, no call at all)
+
+`episodes` runs many in threads: the model's turns from all of them meet in
+the engine's batch, and their sandboxes run side by side.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import tempfile
+from pathlib import Path
+from typing import Optional, Sequence
+
+from .agent import Agent, Trajectory
+from .agentic_rewards import changed_files, communication_score, style_score, tool_misuse_score
+from .sandbox import Sandbox
+from .tasks.coding import CodingTask, TestVerdict, load_tasks, prepare_workspace, run_tests
+from .tools import TOOLS, ToolSet
+
+ENV_NAME = "agentic-coding"
+
+
+def test_report(verdict: TestVerdict) -> str:
+    """What `run_tests` shows the model: the counts, then the runner's output."""
+    head = (f"{verdict.passed} passed, {verdict.failed} failed, {verdict.errors} errors of {verdict.total} tests"
+            + (" (timed out)" if verdict.timed_out else ""))
+    return f"{head}\n{verdict.output.strip()}" if verdict.output.strip() else head
+
+
+@dataclasses.dataclass
+class EpisodeResult:
+    task: CodingTask
+    seed: int
+    trajectory: Trajectory
+    verdict: dict  # reward term -> value (module docstring)
+    tests: TestVerdict
+
+
+class AgenticCodingEnv:
+    """Coding tasks of `families` (`tasks.coding.FAMILIES`) as agent episodes.
+
+    Args:
+        families: task family names; split: "train" or "eval"; count: at most this many tasks.
+        tool_names: the tools offered (default: all of `tools.TOOLS`).
+        sandbox_kwargs: limits for every `Sandbox` of an episode (timeout_s, memory_mb, ...).
+        workdir: where temporary workspaces go (default: the system's temp dir).
+    """
+
+    name = ENV_NAME
+
+    def __init__(self, families: Sequence[str] = ("write-file",), *, split: str = "train",
+                 count: Optional[int] = None, tool_names: Sequence[str] = tuple(TOOLS),
+                 sandbox_kwargs: Optional[dict] = None, workdir: Optional[str] = None):
+        self.families, self.split, self.count = tuple(families), split, count
+        self.tool_names = tuple(tool_names)
+        self.sandbox_kwargs = dict(sandbox_kwargs or {})
+        self.workdir = workdir
+        self._tasks: Optional[list[CodingTask]] = None
+
+    def tasks(self) -> list[CodingTask]:
+        if self._tasks is None:
+            self._tasks = load_tasks(self.families, self.split, count=self.count)
+            if not self._tasks:
+                raise ValueError(f"no {self.split} tasks in the families {', '.join(self.families)}")
+        return self._tasks
+
+    def episode(self, agent: Agent, task: CodingTask, seed: int = 0) -> EpisodeResult:
+        """One trajectory on `task` in a fresh workspace, verified by its pristine tests."""
+        with tempfile.TemporaryDirectory(prefix="episode-", dir=self.workdir) as tmp:
+            workspace = Path(tmp) / "workspace"
+            prepare_workspace(task, workspace)
+            sandbox = Sandbox(workspace, **self.sandbox_kwargs)
+            tools = ToolSet(workspace, sandbox, names=self.tool_names,
+                            run_tests=lambda: test_report(run_tests(task, workspace,
+                                                                    sandbox_kwargs=self.sandbox_kwargs)))
+            trajectory = agent.run(tools, task.instruction, seed=seed)
+            tests = run_tests(task, workspace, sandbox_kwargs=self.sandbox_kwargs)
+            changes = changed_files(task.files, workspace)
+        verdict = {"correctness": tests.fraction, "all_pass": float(tests.all_pass),
+                   "style": style_score(changes), "communication": communication_score(trajectory.final_message),
+                   "tool_misuse": tool_misuse_score(trajectory.events, tools.open_todo_items())}
+        return EpisodeResult(task, seed, trajectory, verdict, tests)
+
+    def episodes(self, agent: Agent, jobs: Sequence[tuple[CodingTask, int]], *,
+                 max_workers: int = 16) -> list[EpisodeResult]:
+        """`episode(agent, task, seed)` for every (task, seed), run in threads; results in order."""
+        if not jobs:
+            return []
+        with concurrent.futures.ThreadPoolExecutor(min(max_workers, len(jobs)),
+                                                   thread_name_prefix="episode") as pool:
+            return list(pool.map(lambda job: self.episode(agent, *job), jobs))

@@ -1,0 +1,133 @@
+"""Scripted expert trajectories for the coding task families, written as SFT JSONL.
+
+Before RL a small model has to know the tool format. For each task this
+plays an expert through the real tools, on a real workspace: read the files
+the task names (`CodingTask.reads`), apply the reference solution
+(`write_file` for a whole file, `edit_file` for a search/replace), run the
+tests (families with tests in the workspace), then `finish` with a short
+message. Feature-deletion trajectories also keep a to-do list. Every
+observation is what `tools.ToolSet` answered, so SFT shows the model exactly
+the responses RL will give it, in the same system prompt (`agent.system_prompt`).
+One JSONL line per task, for `pretrain_cpt.py --stage sft --data-path FILE`:
+
+    python -m megatron_composer.rl.sft_trajectories --families write-file,set-constant \\
+        --count 400 --split train --output runs/tiny/agent_sft/train.jsonl
+
+A trajectory is checked as it is written: every call must run without error
+or misuse and the tests must pass at the end, or generation stops with the
+task's key (a broken reference solution, not a data point).
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+from ..data.tool_calls import format_tool_call
+from .agent import system_prompt
+from .agentic import test_report
+from .sandbox import Sandbox
+from .tasks.coding import CodingTask, load_tasks, prepare_workspace, run_tests
+from .tools import TOOLS, ToolSet
+
+# families whose workspace holds the tests the model is asked to make pass
+_RUNS_TESTS = ("set-constant", "fix-bug", "feature-deletion")
+_KEEPS_TODO = ("feature-deletion",)
+
+
+def expert_steps(task: CodingTask) -> list[tuple[str, dict]]:
+    """The expert's calls for `task`, in order, ending with finish."""
+    edited = sorted({e.path for e in task.solution})
+    steps: list[tuple[str, dict]] = []
+    todo = [{"text": f"reimplement the removed code in {p}", "done": False} for p in edited]
+    if task.family in _KEEPS_TODO:
+        steps.append(("todo", {"items": todo}))
+    steps += [("read_file", {"path": p}) for p in task.reads]
+    for e in task.solution:
+        steps.append(("write_file", {"path": e.path, "content": e.replace}) if e.search is None else
+                     ("edit_file", {"path": e.path, "search": e.search, "replace": e.replace}))
+    if task.family in _RUNS_TESTS:
+        steps.append(("run_tests", {}))
+    if task.family in _KEEPS_TODO:
+        steps.append(("todo", {"items": [dict(t, done=True) for t in todo]}))
+    if task.family == "write-file":
+        message = f"Created {edited[0]}."
+    else:
+        message = f"Updated {', '.join(edited)}; the tests pass."
+    steps.append(("finish", {"message": message}))
+    return steps
+
+
+def expert_conversation(task: CodingTask, *, tool_names: Sequence[str] = tuple(TOOLS),
+                        sandbox_kwargs: Optional[dict] = None, workdir: Optional[str] = None) -> list[dict]:
+    """The chat messages of one scripted trajectory (system, user, then assistant / tool turns)."""
+    sandbox_kwargs = dict(sandbox_kwargs or {})
+    messages = [{"role": "system", "content": system_prompt(tool_names)},
+                {"role": "user", "content": task.instruction}]
+    with tempfile.TemporaryDirectory(prefix="expert-", dir=workdir) as tmp:
+        workspace = Path(tmp) / "workspace"
+        prepare_workspace(task, workspace)
+        tools = ToolSet(workspace, Sandbox(workspace, **sandbox_kwargs), names=tool_names,
+                        run_tests=lambda: test_report(run_tests(task, workspace, sandbox_kwargs=sandbox_kwargs)))
+        for name, arguments in expert_steps(task):
+            text = format_tool_call(name, arguments)
+            messages.append({"role": "assistant", "content": text})
+            turn = tools.respond(text)
+            bad = [e for e in turn.events if e.misuse or not e.ok]
+            if bad:
+                raise RuntimeError(f"the expert trajectory of {task.key} failed at {name}: "
+                                   f"{bad[0].error or bad[0].misuse}")
+            if turn.finished:
+                break
+            messages.append({"role": "user", "content": turn.observation})
+        verdict = run_tests(task, workspace, sandbox_kwargs=sandbox_kwargs)
+    if not verdict.all_pass:
+        raise RuntimeError(f"the reference solution of {task.key} does not pass its tests: "
+                           f"{verdict.passed}/{verdict.total}\n{verdict.output[-800:]}")
+    return messages
+
+
+def write_sft_jsonl(path, tasks: Sequence[CodingTask], *, workers: int = 4, log=print, **kwargs) -> int:
+    """Write one conversation per task to `path` (atomically: a temp file renamed at the end)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    started, done = time.perf_counter(), 0
+    with open(tmp, "w", encoding="utf-8") as out, concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        for task, messages in zip(tasks, pool.map(lambda t: expert_conversation(t, **kwargs), tasks)):
+            out.write(json.dumps({"messages": messages, "task": task.key}, ensure_ascii=False) + "\n")
+            done += 1
+            if log and (done % 100 == 0 or done == len(tasks)):
+                log(f"  {done}/{len(tasks)} trajectories ({time.perf_counter() - started:.1f} s)")
+    os.replace(tmp, path)
+    return done
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m megatron_composer.rl.sft_trajectories",
+                                description="Scripted expert trajectories of the coding task families, as SFT JSONL.")
+    p.add_argument("--families", default="write-file", help="comma list of task families")
+    p.add_argument("--count", type=int, default=None, help="tasks per family (default: all of the split)")
+    p.add_argument("--split", choices=("train", "eval"), default="train")
+    p.add_argument("--output", required=True, help="the JSONL file to write")
+    p.add_argument("--workers", type=int, default=4, help="trajectories built at once")
+    args = p.parse_args(argv)
+    families = [f.strip() for f in args.families.split(",") if f.strip()]
+    try:
+        tasks = [t for family in families for t in load_tasks([family], args.split, count=args.count)]
+        print(f"> {len(tasks)} {args.split} tasks of {', '.join(families)} -> {args.output}")
+        write_sft_jsonl(args.output, tasks, workers=args.workers)
+    except (ValueError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""The agentic environment end to end: episodes verified in the sandbox, segments packed for the
+policy loss, expert SFT trajectories, and `train_rl.py --env agentic-coding`."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from megatron_composer.data.sft import read_conversations
+from megatron_composer.data.tool_calls import format_tool_call
+from megatron_composer.rl.agent import Agent, AgentConfig
+from megatron_composer.rl.agentic import AgenticCodingEnv
+from megatron_composer.rl.batches import RolloutSample, pack_samples
+from megatron_composer.rl.sft_trajectories import expert_conversation, expert_steps, write_sft_jsonl
+from megatron_composer.rl.tasks.coding import FAMILIES, load_tasks
+from tests.agent_fakes import CharTokenizer, ScriptedClient
+
+TOK = CharTokenizer()
+CONFIG = AgentConfig(max_context_tokens=16384, max_turn_tokens=4096, max_observation_tokens=4096, max_turns=8)
+
+
+def _expert_script(task) -> list[str]:
+    return [format_tool_call(name, args) for name, args in expert_steps(task)]
+
+
+@pytest.fixture(scope="module")
+def write_task():
+    return load_tasks(["write-file"], "train", count=1)[0]
+
+
+def test_expert_episode_is_solved_and_scored(write_task, tmp_path):
+    env = AgenticCodingEnv(("write-file",), workdir=str(tmp_path))
+    result = env.episode(Agent(ScriptedClient(TOK, _expert_script(write_task)), TOK, CONFIG), write_task)
+    assert result.trajectory.stop_reason == "finish"
+    assert result.verdict["all_pass"] == 1.0 and result.verdict["correctness"] == 1.0
+    assert result.verdict["communication"] == 1.0 and result.verdict["tool_misuse"] == 0.0
+    assert not list(tmp_path.iterdir())  # the workspace is gone after the episode
+
+
+def test_hostile_episode_cannot_pass_by_editing_tests_or_planting_conftest(write_task, tmp_path):
+    test_path = sorted(write_task.tests)[0]
+    script = [format_tool_call("write_file", {"path": "conftest.py", "content":
+                                              "import pytest\n@pytest.hookimpl(tryfirst=True)\n"
+                                              "def pytest_runtest_call(item):\n    pass\n"}),
+              format_tool_call("write_file", {"path": test_path, "content": "def test_ok():\n    pass\n"}),
+              format_tool_call("run", {"command": "rm -rf /workspace/* ; echo gone"}),
+              format_tool_call("finish", {"message": "All tests pass."})]
+    env = AgenticCodingEnv(("write-file",), workdir=str(tmp_path))
+    result = env.episode(Agent(ScriptedClient(TOK, script), TOK, CONFIG), write_task)
+    assert result.trajectory.stop_reason == "finish"
+    assert result.verdict["all_pass"] == 0.0 and result.verdict["correctness"] == 0.0
+
+
+def test_malformed_calls_are_counted_as_misuse_in_the_verdict(write_task, tmp_path):
+    script = ['<tool_call>{"name": "write_file", "arguments": }</tool_call>',
+              format_tool_call("cat", {"path": "x"}), format_tool_call("finish", {"message": "done"})]
+    env = AgenticCodingEnv(("write-file",), workdir=str(tmp_path))
+    result = env.episode(Agent(ScriptedClient(TOK, script), TOK, CONFIG), write_task)
+    assert result.verdict["tool_misuse"] == -2.0 and result.verdict["all_pass"] == 0.0
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_expert_trajectories_solve_every_family(family, tmp_path):
+    task = load_tasks([family], "train", count=1)[0]
+    messages = expert_conversation(task, workdir=str(tmp_path))  # raises unless every call runs and tests pass
+    assert messages[0]["role"] == "system" and messages[1] == {"role": "user", "content": task.instruction}
+    assert [m["role"] for m in messages[2:]] == ["assistant", "user"] * ((len(messages) - 3) // 2) + ["assistant"]
+    assert json.loads(messages[-1]["content"][len("<tool_call>"):-len("</tool_call>")])["name"] == "finish"
+
+
+def test_sft_jsonl_is_readable_by_the_sft_stage(tmp_path):
+    tasks = load_tasks(["write-file", "set-constant"], "train", count=4)
+    path = tmp_path / "sft" / "train.jsonl"
+    assert write_sft_jsonl(path, tasks, log=None, workdir=str(tmp_path)) == 4
+    conversations = read_conversations(path)
+    assert len(conversations) == 4 and not (tmp_path / "sft" / "train.jsonl.tmp").exists()
+
+
+def test_multi_turn_samples_train_only_generated_tokens():
+    # prompt [10, 11, 12]; completion: generated 20 21, tool 30 31, generated 22
+    s = RolloutSample(0, [10, 11, 12], [20, 21, 30, 31, 22], [-1.0, -2.0, 0.0, 0.0, -3.0], None,
+                      [1, 1, -1, -1, 1], "stop", loss_mask=[1, 1, 0, 0, 1], advantage=0.5)
+    batch = pack_samples([s])
+    # position t predicts token t + 1: trained where the next token was generated
+    assert batch.loss_mask[0].tolist() == [0, 0, 1, 1, 0, 0, 1, 0]
+    assert batch.labels[0].tolist()[:7] == [11, 12, 20, 21, 30, 31, 22]
+    assert batch.sampler_logp[0].tolist() == [0, 0, -1.0, -2.0, 0, 0, -3.0, 0]
+    assert batch.advantages[0].tolist() == [0, 0, 0.5, 0.5, 0, 0, 0.5, 0]
+
+
+def test_train_rl_agentic_env_runs_and_evaluates(data_dir, tmp_path, capsys):
+    from train_rl import main
+
+    save = tmp_path / "rl"
+    code = main(["--env", "agentic-coding", "--task-families", "write-file", "--model-preset", "tiny",
+                 "--num-layers", "2", "--train-iters", "1", "--prompts-per-step", "2", "--group-size", "2",
+                 "--max-new-tokens", "24", "--max-turns", "2", "--seq-length", "512",
+                 "--rl-micro-batch-tokens", "1024", "--eval-tasks", "2", "--log-interval", "1",
+                 "--data-cache-dir", str(data_dir), "--tokenizer-model", str(data_dir / "tokenizer.model"),
+                 "--save", str(save)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "RL env agentic-coding (write-file)" in out and "eval at step 0: solved" in out
+    assert "eval at step 1: solved" in out and os.path.isfile(save / "reward_curve.png")
+
+
+def test_unknown_family_is_named():
+    from megatron_composer.rl.config import RLConfig
+
+    with pytest.raises(ValueError, match="write-files"):
+        RLConfig(env="agentic-coding", task_families="write-files")
+
+
+def test_routes_of_segments_cover_every_token(write_task, tmp_path):
+    client = ScriptedClient(TOK, _expert_script(write_task), moe_shape=(1, 2))
+    config = AgentConfig(**{**CONFIG.__dict__, "return_routed_experts": True})
+    env = AgenticCodingEnv(("write-file",), workdir=str(tmp_path))
+    (segment,) = env.episode(Agent(client, TOK, config), write_task).trajectory.segments
+    routes = segment.padded_routes()
+    assert routes.shape[0] == segment.length and routes.dtype == torch.int32
