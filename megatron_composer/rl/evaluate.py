@@ -1,0 +1,105 @@
+"""Evaluate a checkpoint as a coding agent on held-out tasks, with and without self-summarization.
+
+    python -m megatron_composer.rl.evaluate --load runs/tiny/agentic_rl_seed1234 \\
+        --families write-file --count 64 --seq-length 512
+
+prints one row per mode: solved fraction (every test passes), mean
+correctness and reward terms, turns, summaries per trajectory and their
+length, stop reasons. With `--summary-trigger-tokens N` it runs each task
+twice at the same token budget (`--token-budget`): once without summaries
+(the trajectory ends when its context is full) and once summarizing at N
+tokens, so the rows compare what summarization buys at equal cost.
+Sampling is greedy unless `--temperature` is given.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import sys
+from typing import Optional
+
+from .agent import Agent, AgentConfig
+from .agentic import AgenticCodingEnv
+
+
+def summarize(results, tokenizer) -> dict:
+    """Mean metrics over episode results."""
+    n = max(1, len(results))
+    summaries = [s for r in results for s in r.trajectory.summaries]
+    stops = collections.Counter(r.trajectory.stop_reason for r in results)
+    row = {"tasks": len(results),
+           "solved": sum(r.verdict["all_pass"] for r in results) / n,
+           "correctness": sum(r.verdict["correctness"] for r in results) / n,
+           "tool misuse": sum(r.verdict["tool_misuse"] for r in results) / n,
+           "turns": sum(r.trajectory.counts.turns for r in results) / n,
+           "summaries": len(summaries) / n,
+           "summary tokens": (sum(len(tokenizer.encode(s)) for s in summaries) / len(summaries)) if summaries else 0.0,
+           "generated tokens": sum(r.trajectory.generated_tokens for r in results) / n}
+    row["stops"] = ", ".join(f"{k} {v}" for k, v in sorted(stops.items()))
+    return row
+
+
+def evaluate(engine, tokenizer, env: AgenticCodingEnv, config: AgentConfig, *, workers: int = 16) -> dict:
+    """Episodes of `env`'s tasks (seed = task index) with `engine`; the `summarize` row."""
+    tasks = env.tasks()
+    engine.start()
+    try:
+        results = env.episodes(Agent(engine, tokenizer, config), [(t, i) for i, t in enumerate(tasks)],
+                               max_workers=workers)
+    finally:
+        engine.stop()
+    return summarize(results, tokenizer)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m megatron_composer.rl.evaluate", description=__doc__.split("\n")[0])
+    p.add_argument("--load", required=True, help="a checkpoint directory (root or iter_XXXXXXX)")
+    p.add_argument("--tokenizer-model", default=None, help="default: the embedded corpus's tokenizer")
+    p.add_argument("--data-cache-dir", default="data")
+    p.add_argument("--families", default="write-file")
+    p.add_argument("--split", choices=("train", "eval"), default="eval")
+    p.add_argument("--count", type=int, default=64)
+    p.add_argument("--seq-length", type=int, default=512, help="one segment's context")
+    p.add_argument("--max-turns", type=int, default=6)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="per turn")
+    p.add_argument("--max-observation-tokens", type=int, default=192)
+    p.add_argument("--token-budget", type=int, default=None)
+    p.add_argument("--summary-trigger-tokens", type=int, default=None)
+    p.add_argument("--summary-max-tokens", type=int, default=96)
+    p.add_argument("--max-summaries", type=int, default=2)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--workers", type=int, default=16)
+    args = p.parse_args(argv)
+    try:
+        from ..data import default_cpt_data
+        from ..data.tokenizer import Tokenizer
+        from ..inference.engine import Engine
+
+        model_path = args.tokenizer_model or default_cpt_data(args.data_cache_dir, progress=False).tokenizer_model
+        tokenizer = Tokenizer(model_path)
+        engine = Engine.from_checkpoint(args.load, tokenizer=tokenizer, max_model_len=args.seq_length,
+                                        max_batch_size=max(args.workers, 1))
+        families = [f.strip() for f in args.families.split(",") if f.strip()]
+        env = AgenticCodingEnv(families, split=args.split, count=args.count)
+        base = AgentConfig(max_turns=args.max_turns, max_turn_tokens=args.max_new_tokens,
+                           max_context_tokens=args.seq_length, max_total_tokens=args.token_budget,
+                           max_observation_tokens=args.max_observation_tokens, temperature=args.temperature,
+                           summary_max_tokens=args.summary_max_tokens, max_summaries=args.max_summaries)
+        modes = [("no summaries", base)]
+        if args.summary_trigger_tokens:
+            modes.append((f"summaries at {args.summary_trigger_tokens}",
+                          dataclasses.replace(base, summary_trigger_tokens=args.summary_trigger_tokens)))
+        print(f"> {len(env.tasks())} {args.split} tasks of {', '.join(families)}, checkpoint {args.load}")
+        for name, config in modes:
+            row = evaluate(engine, tokenizer, env, config, workers=args.workers)
+            print(f"{name:>22} | " + " | ".join(f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}"
+                                                for k, v in row.items()))
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
