@@ -72,8 +72,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import math
 import os
+import select
 import selectors
 import shutil
 import signal
@@ -93,7 +95,8 @@ SITE_PACKAGES_MOUNT = "/opt/sandbox/site-packages"
 SHELL = "/bin/sh"
 
 _INSTALL_HINT = "bubblewrap (bwrap) is not installed; install it with `apt-get install -y bubblewrap`"
-_DRAIN_S = 5.0  # after a kill, how long to wait for the pipes to close
+_DRAIN_S = 5.0  # after a kill, how long to wait for the pipes to close and the namespace to empty
+_INFO_FD = "INFO_FD"  # placeholder in the argv for the pipe that receives bwrap's JSON (its child's pid)
 _READ_CHUNK = 1 << 16
 
 # The root caller's staging step; $1 workspace, $2 site-packages (or ""), then setpriv's argv.
@@ -227,10 +230,10 @@ def _site_packages() -> str | None:
 
 def _bwrap_argv(workspace: str, site_packages: str | None, network: bool) -> list[str]:
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
-           "PYTHONDONTWRITEBYTECODE": "1"}
+           "PYTHONDONTWRITEBYTECODE": "1", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
     if site_packages:
         env["PYTHONPATH"] = SITE_PACKAGES_MOUNT
-    argv = [BWRAP_PATH, "--unshare-all", "--unshare-user", "--disable-userns"]
+    argv = [BWRAP_PATH, "--unshare-all", "--unshare-user", "--disable-userns", "--info-fd", _INFO_FD]
     if network:
         argv.append("--share-net")
     argv += ["--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox",
@@ -309,21 +312,26 @@ def _check_positive_int(value, name: str, example: str, allow_zero: bool = False
 
 def _execute(argv: list[str], stdin: bytes | None, timeout: float, cap: int) -> SandboxResult:
     """Run argv (bwrap or its staging) to completion or the wall clock; see the module docstring."""
-    argv, data_fds = _data_pipes(argv)
+    argv, pass_fds, info = _pipes(argv)
     start = time.monotonic()
     try:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=data_fds, env={},
-                                process_group=0)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=pass_fds, env={},
+                                cwd="/", process_group=0)
+    except BaseException:
+        os.close(info)
+        raise
     finally:
-        for fd in data_fds:
+        for fd in pass_fds:
             os.close(fd)
+    init = _Init()
     try:
-        out, err, truncated, timed_out = _communicate(proc, stdin, start + timeout, cap)
+        out, err, truncated, timed_out = _communicate(proc, stdin, start + timeout, cap, info, init)
     finally:
         if proc.poll() is None:
-            _kill(proc)
+            _kill(proc, init)
         proc.wait()
+        init.wait_gone()
     seconds = time.monotonic() - start
     code = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
     if timed_out:
@@ -332,27 +340,69 @@ def _execute(argv: list[str], stdin: bytes | None, timeout: float, cap: int) -> 
                          seconds)
 
 
-def _data_pipes(argv: list[str]) -> tuple[list[str], list[int]]:
-    """Replace each `--ro-bind-data TEXT` with a pipe fd that holds TEXT (well under a pipe's buffer)."""
-    argv, fds = list(argv), []
+class _Init:
+    """The sandbox's PID-namespace init, held by a pidfd: killing it kills the whole namespace.
+
+    bwrap exits as soon as the command does, while its init may still be killing what the command left
+    behind (a fork bomb), so a run waits for the init too: once it has exited the namespace is empty.
+    """
+
+    def __init__(self):
+        self.pidfd: int | None = None
+
+    def attach(self, info_json: bytes) -> None:
+        try:
+            pid = json.loads(info_json)["child-pid"]
+            self.pidfd = os.pidfd_open(pid)
+        except (ValueError, KeyError, TypeError, OSError):
+            self.pidfd = None  # bwrap failed before starting its child, or the child is already gone
+
+    def kill(self) -> None:
+        if self.pidfd is not None:
+            try:
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def wait_gone(self) -> None:
+        if self.pidfd is None:
+            return
+        if not select.select([self.pidfd], [], [], _DRAIN_S)[0]:
+            self.kill()
+            select.select([self.pidfd], [], [], _DRAIN_S)
+        os.close(self.pidfd)
+        self.pidfd = None
+
+
+def _pipes(argv: list[str]) -> tuple[list[str], list[int], int]:
+    """Fill the argv's placeholders with pipe fds: each `--ro-bind-data TEXT` gets a pipe holding TEXT (well
+    under a pipe's buffer), `--info-fd` the write end of a pipe whose read end is returned."""
+    argv, pass_fds = list(argv), []
+    info_read = info_write = -1
     for i, arg in enumerate(argv[:-1]):
         if arg == "--ro-bind-data" and not argv[i + 1].isdigit():
             read_fd, write_fd = os.pipe()
             os.write(write_fd, argv[i + 1].encode())
             os.close(write_fd)
-            fds.append(read_fd)
+            pass_fds.append(read_fd)
             argv[i + 1] = str(read_fd)
-    return argv, fds
+        elif arg == "--info-fd" and argv[i + 1] == _INFO_FD:
+            info_read, info_write = os.pipe()
+            pass_fds.append(info_write)
+            argv[i + 1] = str(info_write)
+    return argv, pass_fds, info_read
 
 
-def _communicate(proc: subprocess.Popen, stdin: bytes | None, deadline: float, cap: int):
-    """Feed stdin and read both pipes until EOF, killing the sandbox at the deadline."""
+def _communicate(proc: subprocess.Popen, stdin: bytes | None, deadline: float, cap: int, info: int, init: _Init):
+    """Feed stdin, read both pipes and bwrap's info until EOF, killing the sandbox at the deadline."""
     buffers = {proc.stdout: bytearray(), proc.stderr: bytearray()}
+    info_json = bytearray()
     truncated = timed_out = False
     with selectors.DefaultSelector() as selector:
         for pipe in buffers:
             os.set_blocking(pipe.fileno(), False)
             selector.register(pipe, selectors.EVENT_READ)
+        selector.register(info, selectors.EVENT_READ)
         pending = memoryview(stdin or b"")
         if proc.stdin is not None:
             os.set_blocking(proc.stdin.fileno(), False)
@@ -363,7 +413,7 @@ def _communicate(proc: subprocess.Popen, stdin: bytes | None, deadline: float, c
                 if timed_out:
                     break  # still open after the kill and the drain: give up on the pipes
                 timed_out = True
-                _kill(proc)
+                _kill(proc, init)
                 deadline = time.monotonic() + _DRAIN_S
                 continue
             for key, _ in selector.select(remaining):
@@ -379,7 +429,13 @@ def _communicate(proc: subprocess.Popen, stdin: bytes | None, deadline: float, c
                         selector.unregister(pipe)
                         pipe.close()
                     continue
-                chunk = os.read(pipe.fileno(), _READ_CHUNK)
+                chunk = os.read(key.fd, _READ_CHUNK)
+                if pipe is info:
+                    info_json += chunk
+                    if not chunk:
+                        selector.unregister(info)
+                        init.attach(bytes(info_json))
+                    continue
                 if not chunk:
                     selector.unregister(pipe)
                     continue
@@ -389,15 +445,17 @@ def _communicate(proc: subprocess.Popen, stdin: bytes | None, deadline: float, c
                     truncated = True
                 if room > 0:
                     buffer += chunk[:room]
+    os.close(info)
     for pipe in buffers:
         pipe.close()
     return bytes(buffers[proc.stdout]), bytes(buffers[proc.stderr]), truncated, timed_out
 
 
-def _kill(proc: subprocess.Popen) -> None:
-    """SIGKILL bwrap (our child, so its pid cannot be reused yet); --die-with-parent takes the namespace down."""
+def _kill(proc: subprocess.Popen, init: _Init) -> None:
+    """SIGKILL the namespace's init (the kernel then kills every process in it) and bwrap's process group."""
+    init.kill()
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(proc.pid, signal.SIGKILL)  # our child, not yet waited for: its pid cannot be reused
     except ProcessLookupError:
         pass
 
