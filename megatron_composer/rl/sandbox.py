@@ -19,7 +19,10 @@ What the command sees:
   `python3 -m pytest`. Nothing else of the host: no /work, /root, /home or host
   /tmp.
 - Environment: PATH, HOME=/tmp, TMPDIR=/tmp, LANG=C.UTF-8,
-  PYTHONDONTWRITEBYTECODE=1, PYTHONPATH; nothing of the host's.
+  PYTHONDONTWRITEBYTECODE=1, PYTHONPATH, and PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
+  (the bound site-packages is there for pytest alone; scanning its plugins
+  costs over a second per run); nothing of the host's. Commands given as a
+  str run under `/bin/sh -c` (dash on Debian), lists are an argv.
 
 Isolation: new user, mount, PID, network (unless `network=True`, which
 shares the host network, its loopback included), IPC, UTS and cgroup
@@ -47,10 +50,12 @@ RLIMIT_NPROC = max_processes, RLIMIT_FSIZE = `FILE_SIZE_MB`, RLIMIT_NOFILE =
 user namespace, so since Linux 5.14 (per-user-namespace counts) it bounds the
 processes of this sandbox alone, not of all sandboxes together.
 
-The wall clock: on timeout bwrap is killed; `--die-with-parent` then kills the
-PID namespace's init, and the kernel kills every process of that namespace (no
-process can leave it). The same happens when the command exits and leaves
-background processes behind.
+The wall clock: on timeout the PID namespace's init (its pid from bwrap's
+`--info-fd`, held by a pidfd) and bwrap are SIGKILLed, and the kernel kills
+every process of that namespace (no process can leave it; `--die-with-parent`
+is the fallback). The same happens when the command exits and leaves background
+processes behind. A run returns only once that init has exited, so no process
+of it is alive afterwards; the init's zombie is the host init's to reap.
 
 Output: stdout and stderr are read concurrently (one selector loop, also
 feeding stdin) up to `max_output_bytes` each; past the cap the reader keeps
@@ -66,7 +71,11 @@ as a whole (up to max_processes * memory_mb); disk use in the workspace is
 bounded per file (RLIMIT_FSIZE), not in total; CPU time is per process; one
 run at a time per Sandbox (runs of one instance are serialized; two instances
 must not share a workspace); the host side must treat the workspace as hostile
-afterwards (symlinks, hard links inside it, huge trees).
+afterwards (symlinks, hard links inside it, huge trees); /proc/self/mountinfo
+shows the host path names (not contents) of the workspace and site-packages;
+the sandbox's init shows PWD=/ in its environment; RLIMIT_NPROC is per sandbox
+only on Linux >= 5.14 (before, per host uid across concurrent sandboxes);
+`network=True` shares the host network, loopback and abstract sockets included.
 """
 from __future__ import annotations
 
