@@ -229,6 +229,8 @@ class ToolSet:
             raise ToolError(f"the content has {len(data)} bytes, more than {self.max_file_bytes}")
         if target.is_dir():
             raise ToolError(f"{self._shown(target)!r} is a folder")
+        if target.exists() and not target.is_file():  # a FIFO would block the write until read
+            raise ToolError(f"{self._shown(target)!r} is not a regular file; write to another path")
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(data)
         return len(data)
@@ -260,14 +262,15 @@ class ToolSet:
     def grep(self, pattern: str, path: str = ".") -> str:
         try:
             regex = re.compile(pattern)
-        except re.error as exc:
+        except (re.error, OverflowError, RecursionError) as exc:  # a huge repeat count, deep nesting
             raise ToolError(f"pattern {pattern!r} is not a Python regular expression ({exc})") from None
         target = self.resolve(path)
         files = [target] if target.is_file() else sorted(
             Path(d) / f for d, dirs, fs in os.walk(target) for f in fs)  # os.walk does not follow links
         hits = []
         for file in files:
-            if file.is_symlink() or file.stat().st_size > self.max_file_bytes:
+            # links are not followed; a FIFO (not a regular file) would block the read
+            if file.is_symlink() or not file.is_file() or file.stat().st_size > self.max_file_bytes:
                 continue
             try:
                 lines = file.read_bytes().decode("utf-8").splitlines()
