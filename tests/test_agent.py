@@ -164,3 +164,68 @@ def test_bad_summary_settings_are_refused(trigger, summary):
 def test_scripted_tool_calls_round_trip_through_json():
     text = call("edit_file", path="a.py", search='"x"', replace="'y'\n")
     assert json.loads(text[len("<tool_call>"):-len("</tool_call>")])["arguments"]["search"] == '"x"'
+
+
+def test_a_long_segment_prompt_gets_a_turn_before_any_summary(tmp_path):
+    script = [call("list_dir"), "S1", call("finish", message="f")]
+    client = ScriptedClient(TOK, script)
+    config_ = config(summary_trigger_tokens=10, summary_max_tokens=8, max_summaries=3)  # below the prompt
+    traj = Agent(client, TOK, config_).run(ToolSet(tmp_path), "t")
+    # one turn, then the summary; the new segment (also over the trigger) gets a turn before any summary
+    assert traj.summaries == ["S1"] and traj.stop_reason == "finish" and traj.counts.turns == 2
+
+
+def test_summaries_respect_max_turns_and_the_budget(tmp_path):
+    client = ScriptedClient(TOK, [call("list_dir"), "SUMMARY" * 20])
+    traj = Agent(client, TOK, config(summary_trigger_tokens=10, summary_max_tokens=512, max_turns=1)).run(
+        ToolSet(tmp_path), "t")
+    assert traj.summaries == [] and traj.stop_reason == "max_turns"
+    n = len(call("list_dir")) + 1
+    client = ScriptedClient(TOK, [call("list_dir"), "SUMMARY" * 20])
+    traj = Agent(client, TOK, config(summary_trigger_tokens=10, summary_max_tokens=512,
+                                     max_total_tokens=n + 7)).run(ToolSet(tmp_path), "t")
+    assert traj.generated_tokens == n + 7 and client.params[1].max_tokens == 7
+
+
+def test_segments_never_pass_the_context_even_when_a_turn_is_cut(tmp_path):
+    prompt = len(render_chat([{"role": "system", "content": system_prompt()}, {"role": "user", "content": "t"}],
+                             TOK, add_generation_prompt=True)[0])
+    long_call = call("write_file", path="a.txt", content="z" * 400)
+    for context in range(prompt + 20, prompt + 120, 7):
+        traj = Agent(ScriptedClient(TOK, [long_call] * 4), TOK, config(max_context_tokens=context)).run(
+            ToolSet(tmp_path), "t")
+        assert all(s.length <= context for s in traj.segments) and traj.stop_reason == "context"
+
+
+def test_ids_past_the_vocabulary_do_not_crash_counting(tmp_path):
+    class Small(CharTokenizer):
+        vocab_size = 200
+
+        def decode(self, ids):
+            if any(i >= self.vocab_size for i in ids):
+                raise IndexError("piece id is out of range")
+            return super().decode(ids)
+
+    small = Small()
+    client = ScriptedClient(small, [call("finish", message="ok")])
+    original = client.generate
+
+    def with_padding_id(prompts, params):
+        (out,) = original(prompts, params)
+        out.token_ids.insert(0, 5000)  # a padded-vocabulary id
+        out.logprobs.insert(0, -9.0)
+        out.policy_versions.insert(0, 3)
+        return [out]
+
+    client.generate = with_padding_id
+    traj = Agent(client, small, config()).run(ToolSet(tmp_path), "t")
+    assert traj.stop_reason == "finish"
+    # the odd id decodes to nothing, so it starts where the finish block starts: counted there
+    assert traj.counts.final_message_tokens == len(call("finish", message="ok")) + 1
+    assert traj.counts.thinking_tokens == 1
+
+
+def test_bad_summary_room_is_refused_with_the_three_values():
+    with pytest.raises(ValueError, match="summary request"):
+        Agent(ScriptedClient(TOK, []), TOK, config(max_context_tokens=400, summary_trigger_tokens=200,
+                                                   summary_max_tokens=150))

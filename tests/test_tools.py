@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_composer.data.tool_calls import format_tool_call, tool_call_blocks
+from megatron_composer.data.tool_calls import ToolCall, format_tool_call, tool_call_blocks
 from megatron_composer.rl.tools import MISUSE_KINDS, TOOLS, ToolSet, ToolTurn, misuse_counts
 
 FUZZ = settings(max_examples=150, deadline=None, derandomize=True,
@@ -218,9 +218,17 @@ def test_paths_inside_are_accepted(planted):
     assert tools.write_file("/workspace/sub/c.txt", "c") == "wrote 1 bytes to sub/c.txt"
 
 
+def _greps(root):
+    """grep in this process (no sandbox) and in a real sandbox: the same answers."""
+    from megatron_composer.rl.sandbox import Sandbox
+
+    return ToolSet(root), ToolSet(root, Sandbox(root, timeout_s=5))
+
+
 def test_grep_over_the_workspace_does_not_follow_links(planted):
-    assert planted.tools.grep("CANARY") == "no matches"
-    assert planted.tools.grep("alpha") == "a.txt:1: alpha"  # sub/inner_link is a link: skipped
+    for tools in _greps(planted.root):
+        assert tools.grep("CANARY") == "no matches"
+        assert tools.grep("alpha") == "a.txt:1: alpha"  # sub/inner_link is a link: skipped
 
 
 def test_nul_bytes_in_a_path_are_refused(planted):
@@ -264,8 +272,10 @@ def test_a_fifo_in_the_workspace_blocks_no_tool(planted):
         assert "no file" in outcome(tools, "read_file", path="pipe").error
         assert "no file" in outcome(tools, "edit_file", path="pipe", search="a", replace="b").error
         assert "not a regular file" in outcome(tools, "write_file", path="pipe", content="x").error
-        assert tools.grep("alpha") == "a.txt:1: alpha"
-        assert tools.grep("x", "pipe") == "no matches"
+    for tools in _greps(planted.root):
+        with deadline(8):
+            assert tools.grep("alpha") == "a.txt:1: alpha"
+            assert tools.grep("x", "pipe") == "no matches"
 
 
 @pytest.mark.parametrize("pattern", ["(" * 1000 + ")" * 1000, "a{4294967296}", "[", "(?P<1>x)"])
@@ -385,3 +395,18 @@ def test_misuse_counts_every_kind(tmp_path):
     assert misuse_counts(events) == {"malformed": 1, "unknown_tool": 1, "bad_arguments": 2,
                                      "terminal_for_dedicated": 1, "unfinished_todo": 1, "no_tool_call": 1}
     assert list(misuse_counts([])) == list(MISUSE_KINDS) and set(misuse_counts([]).values()) == {0}
+
+
+def test_grep_in_the_sandbox_matches_in_process_and_a_runaway_pattern_times_out(tmp_path):
+    from megatron_composer.rl.sandbox import Sandbox
+
+    ws = tmp_path / "ws"
+    (ws / "sub").mkdir(parents=True)
+    (ws / "a.py").write_text("x = 1\ny = 2\n")
+    (ws / "sub" / "b.txt").write_text("x marks\nno\n")
+    (ws / "slow.txt").write_text("a" * 40 + "b\n")
+    sandboxed, local = ToolSet(ws, Sandbox(ws, timeout_s=2)), ToolSet(ws)
+    assert sandboxed.grep("x") == local.grep("x") == "a.py:1: x = 1\nsub/b.txt:1: x marks"
+    assert sandboxed.grep("x", "sub") == "sub/b.txt:1: x marks"
+    text, event = sandboxed.execute(ToolCall("grep", {"pattern": "(a+)+$"}))
+    assert not event.ok and "time limit" in text

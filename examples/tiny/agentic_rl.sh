@@ -14,11 +14,15 @@ PY=${PY:-.venv/bin/python}
 OUT=${OUT:-runs/tiny}
 DATA="$OUT/agent_sft"
 SEED=${SEED:-1234}
+CACHE=${DATA_CACHE_DIR:-data}
+# the embedded corpus's tokenizer (built on first use, as every tiny example does)
+$PY -c "from megatron_composer.data import default_cpt_data as d; d('$CACHE', progress=False)"
+TOKENIZER=${TOKENIZER:-$CACHE/tokenizer.model}
 
 if [ ! -f "$DATA/train.jsonl" ]; then
     $PY -m megatron_composer.rl.sft_trajectories --families write-file --count ${SFT_TASKS:-1200} \
         --output "$DATA/write_file.jsonl"
-    $PY -m megatron_composer.rl.sft_trajectories --families set-constant,fix-bug --count 48 \
+    $PY -m megatron_composer.rl.sft_trajectories --families set-constant,fix-bug --count 19 \
         --output "$DATA/other.jsonl"
     cat "$DATA/write_file.jsonl" "$DATA/other.jsonl" > "$DATA/train.jsonl"
     $PY -m megatron_composer.rl.sft_trajectories --families write-file --split eval --count 32 \
@@ -31,6 +35,7 @@ if [ ! -f "$OUT/agent_sft_model/latest_checkpointed_iteration.txt" ]; then
     $PY pretrain_cpt.py \
         --stage sft --model-preset tiny \
         --data-path "$DATA/train.jsonl" --valid-data-path "$DATA/valid.jsonl" \
+        --tokenizer-model "$TOKENIZER" --data-cache-dir "$CACHE" \
         --seq-length 512 --micro-batch-size 8 \
         --train-iters ${SFT_ITERS:-300} \
         --lr 2e-3 --min-lr 2e-4 --lr-warmup-iters 10 \
@@ -44,6 +49,7 @@ $PY train_rl.py \
     --load "$OUT/agent_sft_model" \
     --save "$OUT/agentic_rl${SEED:+_seed$SEED}" \
     --seed "$SEED" \
+    --tokenizer-model "$TOKENIZER" --data-cache-dir "$CACHE" \
     --model-preset tiny --seq-length 512 --rl-micro-batch-tokens 2048 \
     --train-iters ${RL_ITERS:-30} \
     --prompts-per-step 4 --group-size 8 --max-new-tokens 64 --max-turns 3 --temperature 1.0 \

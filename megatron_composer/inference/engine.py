@@ -263,6 +263,8 @@ class Engine:
         self._thread = None
 
     def _loop(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # the current device is per thread; this one starts on cuda:0
         while not self._stop:
             with self._wake:
                 if not self.has_unfinished():

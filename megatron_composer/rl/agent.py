@@ -175,8 +175,14 @@ def _token_starts(tokenizer, ids: Sequence[int]) -> list[int]:
     starts, previous = [], 0
     for i in range(len(ids)):
         starts.append(previous)
-        previous = max(previous, len(tokenizer.decode(ids[:i + 1])))
+        previous = max(previous, len(tokenizer.decode(known_ids(tokenizer, ids[:i + 1]))))
     return starts
+
+
+def known_ids(tokenizer, ids: Sequence[int]) -> list[int]:
+    """`ids` without those past the tokenizer's vocabulary (a model's padded vocabulary can sample
+    them; they decode to nothing)."""
+    return [t for t in ids if 0 <= t < tokenizer.vocab_size]
 
 
 class _Counter:
@@ -186,7 +192,7 @@ class _Counter:
     def generated(self, tokenizer, ids: Sequence[int], stop_ids: Sequence[int]) -> str:
         """Count one model turn's ids; returns the turn's text (stop token excluded)."""
         body = list(ids[:-1]) if ids and ids[-1] in stop_ids else list(ids)
-        text = tokenizer.decode(body)
+        text = tokenizer.decode(known_ids(tokenizer, body))
         blocks = tool_call_blocks(text)
         self.calls += len(blocks)
         for start in _token_starts(tokenizer, body):
@@ -218,8 +224,14 @@ class Agent:
     def __init__(self, client, tokenizer, config: AgentConfig = AgentConfig()):
         self.client, self.tok, self.config = client, tokenizer, config
         self.stop_ids = (tokenizer.chat["end"], tokenizer.eod)
+        trigger = config.summary_trigger_tokens
+        request = len(self._user_turn(SUMMARY_PROMPT, config.max_observation_tokens))
+        if trigger is not None and trigger + request + config.summary_max_tokens >= config.max_context_tokens:
+            raise ValueError(f"--summary-trigger-tokens {trigger} + the summary request ({request} tokens) + "
+                             f"--summary-max-tokens {config.summary_max_tokens} must stay below the context "
+                             f"({config.max_context_tokens} tokens); lower the trigger or the summary length")
 
-    def _segment_prompt(self, system: str, instruction: str, summary: Optional[str]) -> list[int]:
+    def segment_prompt(self, system: str, instruction: str, summary: Optional[str]) -> list[int]:
         user = instruction if summary is None else f"{instruction}\n\n{SUMMARY_HEADER}{summary}"
         messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
         return render_chat(messages, self.tok, add_generation_prompt=True)[0]
@@ -244,7 +256,7 @@ class Agent:
         """One trajectory on `instruction`, its tools run by `toolset`."""
         cfg, tok = self.config, self.tok
         system = system_prompt(toolset.names) if system is None else system
-        segment = Segment(self._segment_prompt(system, instruction, None))
+        segment = Segment(self.segment_prompt(system, instruction, None))
         segments, events, summaries = [segment], [], []
         counter = _Counter()
         generated = calls = 0
@@ -256,23 +268,6 @@ class Agent:
             return cfg.summary_trigger_tokens is not None and len(summaries) < cfg.max_summaries
 
         while stop is None:
-            limit = cfg.max_context_tokens - (summary_reserve if summaries_left() else 0)
-            if summaries_left() and segment.length >= min(cfg.summary_trigger_tokens, limit - 1):
-                # self-summarization: the request (not trained), the summary (trained), a new segment
-                segment.append(summary_request, trained=False)
-                counter.tool_output += len(summary_request)
-                room = cfg.max_context_tokens - segment.length
-                out = self._generate(segment.ids, min(cfg.summary_max_tokens, room), seed * 1_000_003 + calls)
-                calls += 1
-                segment.record_routes(out.routed_experts)
-                segment.append(out.token_ids, trained=True, logprobs=out.logprobs, versions=out.policy_versions)
-                generated += len(out.token_ids)
-                summary = counter.generated(tok, out.token_ids, self.stop_ids).strip()
-                segment.summary = summary
-                summaries.append(summary)
-                segment = Segment(self._segment_prompt(system, instruction, summary))
-                segments.append(segment)
-                continue
             if counter.turns >= cfg.max_turns:
                 stop = "max_turns"
                 break
@@ -280,7 +275,27 @@ class Agent:
             if budget is not None and budget <= 0:
                 stop = "token_budget"
                 break
-            room = limit - segment.length
+            limit = cfg.max_context_tokens - (summary_reserve if summaries_left() else 0)
+            room = limit - segment.length - 1  # one token kept to close a cut turn
+            if summaries_left() and any(segment.trained) and (segment.length >= cfg.summary_trigger_tokens
+                                                              or room < 1):
+                # self-summarization: the request (not trained), the summary (trained), a new segment;
+                # only after a model turn, so a long segment prompt cannot chain summaries
+                segment.append(summary_request, trained=False)
+                counter.tool_output += len(summary_request)
+                max_tokens = min(cfg.summary_max_tokens, cfg.max_context_tokens - segment.length,
+                                 budget if budget is not None else cfg.summary_max_tokens)
+                out = self._generate(segment.ids, max_tokens, seed * 1_000_003 + calls)
+                calls += 1
+                segment.record_routes(out.routed_experts)
+                segment.append(out.token_ids, trained=True, logprobs=out.logprobs, versions=out.policy_versions)
+                generated += len(out.token_ids)
+                summary = counter.generated(tok, out.token_ids, self.stop_ids).strip()
+                segment.summary = summary
+                summaries.append(summary)
+                segment = Segment(self.segment_prompt(system, instruction, summary))
+                segments.append(segment)
+                continue
             if room < 1:
                 stop = "context"
                 break
@@ -305,8 +320,13 @@ class Agent:
                 stop = "finish" if any(e.name == "finish" and e.ok for e in turn.events) else "no_tool_call"
                 break
             limit_now = cfg.max_context_tokens - (summary_reserve if summaries_left() else 0)
-            observation = self._user_turn(turn.observation, min(cfg.max_observation_tokens,
-                                                                max(0, limit_now - segment.length - 3)))
+            body_room = limit_now - segment.length - 3  # <|user|> ... <|end|> <|assistant|>
+            if body_room < 1:
+                if summaries_left():
+                    continue  # no room for the responses: summarize (the next pass) and go on
+                stop = "context"
+                break
+            observation = self._user_turn(turn.observation, min(cfg.max_observation_tokens, body_room))
             segment.append(observation, trained=False)
             counter.tool_output += len(observation)
         return Trajectory(segments, events, counter.effort(), stop, final_message, summaries, generated)

@@ -93,7 +93,10 @@ class AgenticCodingEnv:
             tools = ToolSet(workspace, sandbox, names=self.tool_names,
                             run_tests=lambda: test_report(run_tests(task, workspace,
                                                                     sandbox_kwargs=self.sandbox_kwargs)))
-            trajectory = agent.run(tools, task.instruction, seed=seed)
+            try:
+                trajectory = agent.run(tools, task.instruction, seed=seed)
+            except Exception as exc:
+                raise RuntimeError(f"episode of task {task.key} (seed {seed}) failed: {exc}") from exc
             tests = run_tests(task, workspace, sandbox_kwargs=self.sandbox_kwargs)
             changes = changed_files(task.files, workspace)
         verdict = {"correctness": tests.fraction, "all_pass": float(tests.all_pass),

@@ -31,12 +31,10 @@ from typing import Mapping, Optional, Sequence
 
 from pyflakes import checker as pyflakes_checker
 
+from .tasks.coding.task import CACHE_DIRS, CACHE_SUFFIXES
 from .tools import ToolEvent, misuse_counts
 
 MAX_TEXT_BYTES = 1 << 20  # larger files are not read (nor scored)
-CACHE_DIRS = frozenset({"__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache", ".hypothesis",
-                        ".tox", ".nox"})
-CACHE_SUFFIXES = (".pyc", ".pyo")
 MAX_STYLE_PENALTY = 10  # style_score is at least -MAX_STYLE_PENALTY
 
 # Comments that read like the model thinking aloud, not documenting: each matches the start of

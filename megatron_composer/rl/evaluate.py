@@ -71,6 +71,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--workers", type=int, default=16)
     args = p.parse_args(argv)
+    if args.summary_trigger_tokens and not args.token_budget:
+        p.error("--summary-trigger-tokens compares the two modes at one budget: give --token-budget too")
     try:
         from ..data import default_cpt_data
         from ..data.tokenizer import Tokenizer

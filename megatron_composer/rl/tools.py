@@ -36,6 +36,7 @@ check and the use.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 import re
 import shlex
@@ -93,6 +94,38 @@ _TERMINAL_FOR = {"cat": "read_file", "head": "read_file", "tail": "read_file", "
                  "more": "read_file", "ls": "list_dir", "grep": "grep", "egrep": "grep", "rg": "grep",
                  "pytest": "run_tests", "tee": "write_file"}
 _JSON_TYPES = {"string": str, "integer": int, "boolean": bool, "array": list, "object": dict}
+
+
+def grep_matches(root: str, target: str, pattern: str, max_bytes: int) -> list:
+    """"path:line: text" for every line matching `pattern` in the regular files at `target`
+    (relative to `root`; a folder is walked without following links). Self-contained: `ToolSet.grep`
+    runs its source in the sandbox."""
+    import os
+    import re
+    import stat
+
+    regex, start = re.compile(pattern), os.path.join(root, target)
+    files = [start] if not os.path.isdir(start) else sorted(
+        os.path.join(d, f) for d, _, names in os.walk(start) for f in names)
+    hits = []
+    for file in files:
+        try:
+            info = os.lstat(file)
+            if not stat.S_ISREG(info.st_mode) or info.st_size > max_bytes:
+                continue  # links are not followed; a FIFO would block the read
+            with open(file, "rb") as f:
+                lines = f.read().decode("utf-8").splitlines()
+        except (OSError, UnicodeDecodeError):
+            continue
+        shown = os.path.relpath(file, root)
+        hits += [f"{shown}:{i}: {line}" for i, line in enumerate(lines, 1) if regex.search(line)]
+    return hits
+
+
+_GREP_MAIN = """
+import sys
+print("\\n".join(grep_matches("/workspace", sys.argv[1], sys.argv[2], int(sys.argv[3]))))
+"""
 
 
 def tool_schemas(names: Sequence[str]) -> list[dict]:
@@ -244,6 +277,8 @@ class ToolSet:
         target = self.resolve(path)
         if not target.is_file():
             raise ToolError(f"no file {path!r}; create it with write_file")
+        if target.stat().st_size > self.max_file_bytes:
+            raise ToolError(f"{path!r} has {target.stat().st_size} bytes, more than {self.max_file_bytes}")
         text = target.read_bytes().decode("utf-8", errors="replace")
         count = text.count(search) if search else 0
         if count != 1:
@@ -261,22 +296,24 @@ class ToolSet:
 
     def grep(self, pattern: str, path: str = ".") -> str:
         try:
-            regex = re.compile(pattern)
+            re.compile(pattern)
         except (re.error, OverflowError, RecursionError) as exc:  # a huge repeat count, deep nesting
             raise ToolError(f"pattern {pattern!r} is not a Python regular expression ({exc})") from None
-        target = self.resolve(path)
-        files = [target] if target.is_file() else sorted(
-            Path(d) / f for d, dirs, fs in os.walk(target) for f in fs)  # os.walk does not follow links
-        hits = []
-        for file in files:
-            # links are not followed; a FIFO (not a regular file) would block the read
-            if file.is_symlink() or not file.is_file() or file.stat().st_size > self.max_file_bytes:
-                continue
-            try:
-                lines = file.read_bytes().decode("utf-8").splitlines()
-            except UnicodeDecodeError:
-                continue
-            hits += [f"{self._shown(file)}:{i}: {line}" for i, line in enumerate(lines, 1) if regex.search(line)]
+        target = os.path.relpath(self.resolve(path), self.root)
+        if self.sandbox is None:
+            hits = grep_matches(str(self.root), target, pattern, self.max_file_bytes)
+        else:
+            # in the sandbox, under its wall clock: Python's re holds the GIL for a whole match,
+            # so a pattern that backtracks without end, e.g. (a+)+$, would stall every episode here
+            if "\x00" in pattern:
+                raise ToolError("the pattern contains a NUL byte")
+            script = inspect.getsource(grep_matches) + _GREP_MAIN
+            result = self.sandbox.run(["python3", "-c", script, target, pattern, str(self.max_file_bytes)])
+            if result.timed_out:
+                raise ToolError(f"grep {pattern!r} ran past the time limit; use a simpler pattern")
+            if result.exit_code != 0:
+                raise ToolError(f"grep failed: {result.stderr.strip()[-300:]}")
+            hits = [h for h in result.stdout.splitlines() if h] + (["[... cut]"] if result.truncated else [])
         return self._cut("\n".join(hits) if hits else "no matches")
 
     def run(self, command: str) -> str:

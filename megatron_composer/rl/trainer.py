@@ -47,7 +47,7 @@ from .config import RLConfig
 from .loss import PolicyLoss
 from .packing import attention_costs, plan_step
 from .rewards import REWARD_TERMS, EffortCounts, LengthPenaltyConfig, length_term, parse_reward_weights, score
-from .agent import system_prompt
+from .agent import known_ids, system_prompt
 from .tasks import get_task
 
 
@@ -229,7 +229,7 @@ class RLTrainer(Trainer):
         samples = []
         for g, prompt, handle in handles:
             out = handle.result()
-            text = tok.decode([t for t in out.token_ids if t not in (tok.chat["end"], tok.eod)])
+            text = tok.decode([t for t in known_ids(tok, out.token_ids) if t not in (tok.chat["end"], tok.eod)])
             sample = RolloutSample(g, out.prompt_token_ids, out.token_ids, out.logprobs, out.routed_experts,
                                    out.policy_versions, out.finish_reason, text)
             sample.rewards = self.task.verify(prompt, text)
