@@ -7,7 +7,8 @@
 # 3. RL (train_rl.py --env agentic-coding) on write-file tasks: multi-turn episodes in bubblewrap
 #    sandboxes, verified by the tasks' pristine tests; the held-out solved fraction (greedy) is
 #    measured before the first step and at the end. Writes $OUT/agentic_rl/reward_curve.png.
-# About ten minutes on a 2-core CPU. SEED=... varies the RL run; SFT_ITERS / RL_ITERS the lengths.
+# About 35 minutes on a 2-core CPU (SFT ~18, RL ~12). SEED=... varies the RL run; SFT_ITERS_1/2 and
+# RL_ITERS the lengths. The steps already done (data, SFT checkpoints) are kept and skipped.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
@@ -29,20 +30,26 @@ if [ ! -f "$DATA/train.jsonl" ]; then
         --output "$DATA/valid.jsonl"
 fi
 
-if [ ! -f "$OUT/agent_sft_model/latest_checkpointed_iteration.txt" ]; then
-    LOAD=()
-    [ -f "$OUT/cpt_32k/latest_checkpointed_iteration.txt" ] && LOAD=(--load "$OUT/cpt_32k" --finetune)
+# SFT in two passes over the same data (the second restarts the schedule at a higher rate): the
+# tool format is learned in the first, copying the file name and content from the instruction
+# emerges in the second. About 1 s per step on 2 cores.
+sft() {  # sft NAME ITERS LR MIN_LR LOAD...
+    local name=$1 iters=$2 lr=$3 min_lr=$4
+    shift 4
+    [ -f "$OUT/$name/latest_checkpointed_iteration.txt" ] && return 0
     $PY pretrain_cpt.py \
         --stage sft --model-preset tiny \
         --data-path "$DATA/train.jsonl" --valid-data-path "$DATA/valid.jsonl" \
         --tokenizer-model "$TOKENIZER" --data-cache-dir "$CACHE" \
         --seq-length 512 --micro-batch-size 8 \
-        --train-iters ${SFT_ITERS:-300} \
-        --lr 2e-3 --min-lr 2e-4 --lr-warmup-iters 10 \
-        --log-interval 25 --eval-interval 100 --eval-iters 2 \
-        --save "$OUT/agent_sft_model" \
-        "${LOAD[@]}"
-fi
+        --train-iters "$iters" --lr "$lr" --min-lr "$min_lr" --lr-warmup-iters 10 \
+        --log-interval 50 --eval-interval 200 --eval-iters 2 \
+        --save "$OUT/$name" "$@"
+}
+FIRST=()
+[ -f "$OUT/cpt_32k/latest_checkpointed_iteration.txt" ] && FIRST=(--load "$OUT/cpt_32k" --finetune)
+sft agent_sft_pass1 ${SFT_ITERS_1:-300} 2e-3 2e-4 "${FIRST[@]}"
+sft agent_sft_model ${SFT_ITERS_2:-800} 3e-3 3e-4 --load "$OUT/agent_sft_pass1" --finetune
 
 $PY train_rl.py \
     --env agentic-coding --task-families write-file \
@@ -51,11 +58,11 @@ $PY train_rl.py \
     --seed "$SEED" \
     --tokenizer-model "$TOKENIZER" --data-cache-dir "$CACHE" \
     --model-preset tiny --seq-length 512 --rl-micro-batch-tokens 2048 \
-    --train-iters ${RL_ITERS:-30} \
+    --train-iters ${RL_ITERS:-50} \
     --prompts-per-step 4 --group-size 8 --max-new-tokens 64 --max-turns 3 --temperature 1.0 \
-    --lr 3e-4 --min-lr 3e-4 --lr-warmup-iters 0 \
-    --reward correctness=1.0,tool_misuse=0.1 \
-    --eval-tasks ${EVAL_TASKS:-64} \
+    --lr ${RL_LR:-3e-4} --min-lr ${RL_LR:-3e-4} --lr-warmup-iters 0 \
+    --reward correctness=1.0,all_pass=1.0,tool_misuse=0.1 \
+    --eval-tasks ${EVAL_TASKS:-96} \
     --log-interval 1 \
     --tensorboard-dir "$OUT/tensorboard_agentic_rl" \
     "$@"
