@@ -108,3 +108,32 @@ def test_sglang_responses():
     assert out.routed_experts.tolist() == routes_flat.tolist() + [[[-1, -1]]]
     assert client.update_weights("/ckpt/hf", version=9) == 9
     assert seen[-1] == ("/update_weights_from_disk", {"model_path": "/ckpt/hf", "weight_version": "9"})
+
+
+def test_the_agent_loop_is_the_same_over_http_and_in_process(tmp_path):
+    """Token in, token out through our server: the same trajectory ids, masks and log-probs."""
+    from megatron_composer.rl.agent import Agent, AgentConfig
+    from megatron_composer.rl.tools import ToolSet
+    from tests.serving import train_small_tokenizer
+
+    tokenizer = train_small_tokenizer(str(tmp_path / "tok"))
+    engine = Engine(build_model(), SERVE_CONFIG, tokenizer, max_batch_size=4, max_model_len=256)
+    config = AgentConfig(max_turns=2, max_turn_tokens=24, max_context_tokens=256, temperature=1.0,
+                         return_routed_experts=True)
+    runs = []
+    with serve(create_app(engine, model_name="tiny")) as url:
+        client = HTTPRolloutClient(url, max_concurrency=2)
+        for source in (engine, client):
+            workspace = tmp_path / f"ws{len(runs)}"
+            workspace.mkdir()
+            runs.append(Agent(source, tokenizer, config).run(ToolSet(workspace), "list the files", seed=7,
+                                                             system="You are an agent."))
+        client.close()
+    engine.stop()
+    local, remote = runs
+    assert [s.ids for s in remote.segments] == [s.ids for s in local.segments]
+    assert [s.trained for s in remote.segments] == [s.trained for s in local.segments]
+    for r, e in zip(remote.segments, local.segments):
+        assert r.logprobs == pytest.approx(e.logprobs, abs=1e-5)
+        assert torch.equal(r.padded_routes(), e.padded_routes())
+    assert remote.counts == local.counts and remote.stop_reason == local.stop_reason
