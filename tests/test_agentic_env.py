@@ -120,3 +120,21 @@ def test_routes_of_segments_cover_every_token(write_task, tmp_path):
     (segment,) = env.episode(Agent(client, TOK, config), write_task).trajectory.segments
     routes = segment.padded_routes()
     assert routes.shape[0] == segment.length and routes.dtype == torch.int32
+
+
+def test_evaluate_reports_summaries_and_their_length(write_task, tmp_path):
+    from megatron_composer.rl.agent import system_prompt
+    from megatron_composer.data.sft import render_chat
+    from megatron_composer.rl.evaluate import summarize
+
+    prompt = len(render_chat([{"role": "system", "content": system_prompt()},
+                              {"role": "user", "content": write_task.instruction}], TOK, add_generation_prompt=True)[0])
+    script = [format_tool_call("list_dir", {}), "I listed the folder.", *_expert_script(write_task)]
+    config = AgentConfig(**{**CONFIG.__dict__, "summary_trigger_tokens": prompt + 10, "max_summaries": 1,
+                            "summary_max_tokens": 64})
+    env = AgenticCodingEnv(("write-file",), workdir=str(tmp_path))
+    result = env.episode(Agent(ScriptedClient(TOK, script), TOK, config), write_task)
+    assert result.trajectory.summaries == ["I listed the folder."] and result.verdict["all_pass"] == 1.0
+    row = summarize([result], TOK)
+    assert row["summaries"] == 1.0 and row["summary tokens"] == len("I listed the folder.") and row["solved"] == 1.0
+    assert row["stops"] == "finish 1"
