@@ -13,7 +13,11 @@ from megatron_composer.data.tool_calls import format_tool_call
 from megatron_composer.rl.agent import Agent, AgentConfig
 from megatron_composer.rl.agentic import AgenticCodingEnv
 from megatron_composer.rl.batches import RolloutSample, pack_samples
-from megatron_composer.rl.sft_trajectories import expert_conversation, expert_steps, write_sft_jsonl
+from megatron_composer.rl.sft_trajectories import (
+    expert_conversation,
+    expert_steps,
+    write_sft_jsonl,
+)
 from megatron_composer.rl.tasks.coding import FAMILIES, load_tasks
 from tests.agent_fakes import CharTokenizer, ScriptedClient
 
@@ -123,8 +127,8 @@ def test_routes_of_segments_cover_every_token(write_task, tmp_path):
 
 
 def test_evaluate_reports_summaries_and_their_length(write_task, tmp_path):
-    from megatron_composer.rl.agent import system_prompt
     from megatron_composer.data.sft import render_chat
+    from megatron_composer.rl.agent import system_prompt
     from megatron_composer.rl.evaluate import summarize
 
     prompt = len(render_chat([{"role": "system", "content": system_prompt()},
