@@ -144,3 +144,33 @@ def test_bad_rl_flags_are_named(flag, value, match, capsys):
         parse_rl_args([flag, value])
     message = str(err.value) if err.type is ValueError else capsys.readouterr().err
     assert match in message
+
+
+def _agentic_dp2(rank, world, tokenizer_model):
+    """One agentic RL step on 2 data-parallel ranks: the trajectories each rank trains on, and its metrics."""
+    import torch.distributed as dist
+
+    from megatron_composer.config import OptimizerConfig, TrainingConfig, get_preset
+    from megatron_composer.data.tokenizer import Tokenizer
+    from megatron_composer.parallel import ParallelLayout
+    from megatron_composer.platform import init_distributed
+    from megatron_composer.rl.config import RLConfig
+    from megatron_composer.rl.trainer import RLTrainer
+
+    init_distributed()
+    model_cfg = get_preset("tiny").replace(num_layers=2, max_position_embeddings=512)
+    cfg = TrainingConfig(seq_length=512, micro_batch_size=1, train_iters=1, stage="rl",
+                         optimizer=OptimizerConfig(lr=1e-3, lr_warmup_iters=0, lr_decay_iters=1))
+    layout = ParallelLayout(world_size=dist.get_world_size(), num_experts=model_cfg.num_experts)
+    rl = RLConfig(env="agentic-coding", task_families="write-file", prompts_per_step=2, group_size=2,
+                  max_new_tokens=16, max_turns=2, micro_batch_tokens=1024, episode_workers=2)
+    trainer = RLTrainer(model_cfg, layout, cfg, rl, Tokenizer(tokenizer_model))
+    samples = trainer.rollouts(0)
+    metrics = trainer._prepare_batches(samples)
+    return [(s.trajectory, s.group, len(s.completion_ids)) for s in samples], metrics["reward"]
+
+
+def test_agentic_rollouts_are_gathered_whole_on_data_parallel_ranks(data_dir):
+    (rank0, reward0), (rank1, reward1) = run_distributed(_agentic_dp2, 2, str(data_dir / "tokenizer.model"))
+    assert rank0 == rank1 and reward0 == reward1  # every rank holds every group's trajectories
+    assert sorted({t for t, _, _ in rank0}) == [0, 1, 2, 3] and [g for _, g, _ in rank0] == [0, 0, 1, 1]
