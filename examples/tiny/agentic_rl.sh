@@ -57,10 +57,10 @@ $PY train_rl.py \
     --save "$OUT/agentic_rl${SEED:+_seed$SEED}" \
     --seed "$SEED" \
     --tokenizer-model "$TOKENIZER" --data-cache-dir "$CACHE" \
-    --model-preset tiny --seq-length 512 --rl-micro-batch-tokens 2048 \
-    --train-iters ${RL_ITERS:-50} \
-    --prompts-per-step 4 --group-size 8 --max-new-tokens 64 --max-turns 3 --temperature 1.0 \
-    --lr ${RL_LR:-3e-4} --min-lr ${RL_LR:-3e-4} --lr-warmup-iters 0 \
+    --model-preset tiny --seq-length 512 --rl-micro-batch-tokens 4096 \
+    --train-iters ${RL_ITERS:-30} \
+    --prompts-per-step 8 --group-size 8 --max-new-tokens 64 --max-turns 3 --temperature 1.0 \
+    --lr ${RL_LR:-5e-4} --min-lr ${RL_LR:-5e-4} --lr-warmup-iters 0 \
     --reward correctness=1.0,all_pass=1.0,tool_misuse=0.1 \
     --eval-tasks ${EVAL_TASKS:-96} \
     --log-interval 1 \
