@@ -115,7 +115,10 @@ def host_intact(tmp_path, canary):
 def test_fork_bomb_is_bounded_and_returns(workspace):
     start = time.monotonic()
     before = sum(1 for _ in _live_processes())
-    result = Sandbox(workspace, max_processes=32, timeout_s=BOMB_TIMEOUT_S).run(["bash", "-c", ":(){ :|:& };:"])
+    # the top-level shell stays a second, so the bomb always meets the limit before the run ends
+    # (alone, `:` returns at once and the run can end, killing the bomb, before it forks 32 times)
+    bomb = ":(){ :|:& };:; sleep 1"
+    result = Sandbox(workspace, max_processes=32, timeout_s=BOMB_TIMEOUT_S).run(["bash", "-c", bomb])
     assert time.monotonic() - start < BOMB_TIMEOUT_S + 3
     assert "fork: retry: Resource temporarily unavailable" in result.stderr, result
     assert sum(1 for _ in _live_processes()) < before + 20  # the bomb's 32 are gone (others may run sandboxes)
