@@ -132,21 +132,23 @@ def test_shadowing_pytest_from_the_workspace_has_no_effect(constant_task, tmp_pa
     assert not run_tests(constant_task, workspace).all_pass
 
 
-def test_code_that_exits_before_the_report_scores_nothing(constant_task, tmp_path):
-    workspace = unsolved(constant_task, tmp_path)
-    apply_solution(constant_task, workspace)
-    (module,) = {e.path for e in constant_task.solution}
+def solved_then_appended(task, tmp_path, code: str):
+    """A workspace with the reference solution, then `code` appended to its edited module."""
+    workspace = unsolved(task, tmp_path)
+    apply_solution(task, workspace)
+    (module,) = {e.path for e in task.solution}
     with open(workspace / module, "a") as f:
-        f.write("\nimport os\nos._exit(0)\n")
+        f.write(code)
+    return workspace
+
+
+def test_code_that_exits_before_the_report_scores_nothing(constant_task, tmp_path):
+    workspace = solved_then_appended(constant_task, tmp_path, "\nimport os\nos._exit(0)\n")
     verdict = run_tests(constant_task, workspace)
     assert (verdict.passed, verdict.errors, verdict.total) == (0, 3, 3) and not verdict.all_pass
 
 
 def test_a_timed_out_run_scores_zero(constant_task, tmp_path):
-    workspace = unsolved(constant_task, tmp_path)
-    apply_solution(constant_task, workspace)
-    (module,) = {e.path for e in constant_task.solution}
-    with open(workspace / module, "a") as f:
-        f.write("\nwhile True:\n    pass\n")
+    workspace = solved_then_appended(constant_task, tmp_path, "\nwhile True:\n    pass\n")
     verdict = run_tests(constant_task, workspace, sandbox_kwargs={"timeout_s": 2.0})
     assert verdict.timed_out and verdict.fraction == 0.0 and not verdict.all_pass
