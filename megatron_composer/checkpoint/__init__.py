@@ -8,7 +8,7 @@
 
 Sits below `training/` and `convert/`; imports only `parallel/` of ours.
 """
-from .io import check_save_dir, load_checkpoint, remove_stale_tmp, save_checkpoint
+from .io import check_save_dir, load_checkpoint, read_extra_file, remove_stale_tmp, save_checkpoint
 from .state import (
     expected_checkpoint_bytes,
     global_param_names,
@@ -44,6 +44,7 @@ __all__ = [
     "load_target_kind",
     "model_state_dict",
     "optimizer_state_dict",
+    "read_extra_file",
     "read_meta",
     "remove_stale_tmp",
     "save_checkpoint",

@@ -159,6 +159,24 @@ def _write_meta(tmp: str, meta: dict, iteration: int, has_optimizer: bool) -> No
     write_file_atomic(os.path.join(tmp, META), text.encode())
 
 
+def _write_extra(tmp: str, files: dict[str, bytes]) -> None:
+    for name, data in files.items():
+        if os.path.basename(name) != name or name in (META, MANIFEST) or name.startswith(("__", "rng_rank", ".")):
+            raise CheckpointError(f"extra checkpoint file name {name!r} is not a plain name of its own")
+        write_file_atomic(os.path.join(tmp, name), data)
+
+
+def read_extra_file(load_dir: str, name: str, iteration: Optional[int] = None) -> Optional[bytes]:
+    """The bytes of an `extra_files` entry of a checkpoint (a root: its tracked iteration, or an
+    iter_XXXXXXX dir), None when absent."""
+    it_dir = load_dir if os.path.isfile(os.path.join(load_dir, META)) else tracked_iteration_dir(load_dir, iteration)[1]
+    path = os.path.join(it_dir, name)
+    if not os.path.isfile(path):
+        return None
+    with open(path, "rb") as f:
+        return f.read()
+
+
 def _own_files(tmp: str, rank: int) -> list[str]:
     """Files this rank wrote: its DCP shards (`__{rank}_*`) and rng file."""
     mine = (f"__{rank}_", f"rng_rank{rank}.pt")
@@ -206,8 +224,13 @@ def _refuse_nonfinite(model_state: dict, root: str, iteration: int) -> None:
     _agreed(check)
 
 
-def save_checkpoint(root: str, iteration: int, model, optimizer, meta: dict) -> str:
+def save_checkpoint(root: str, iteration: int, model, optimizer, meta: dict,
+                    extra_files: Optional[dict[str, bytes]] = None) -> str:
     """Write a checkpoint for `iteration` and then mark it latest (collective). Returns its dir.
+
+    `extra_files` ({file name: bytes}, rank 0's): written into the iteration directory before it is
+    checksummed and published, so they exist exactly when the checkpoint does (RL: the buffer of
+    completed groups).
 
     Raises CheckpointError (nothing written) when a model tensor is not
     finite, CheckpointSaveError when writing fails (the previous checkpoint
@@ -228,6 +251,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, meta: dict) -> 
             raise CheckpointError(_dcp_reason(exc)) from None
         _agreed(lambda: _write_rng(tmp))
         _agreed(lambda: _write_meta(tmp, meta, iteration, optimizer is not None), rank0_only=True)
+        _agreed(lambda: _write_extra(tmp, extra_files or {}), rank0_only=True)
         _write_checksums(tmp)
         _agreed(lambda: _publish(root, iteration, tmp), rank0_only=True)
     except CheckpointError as exc:

@@ -44,6 +44,7 @@ from __future__ import annotations
 import collections
 import itertools
 import threading
+import time
 from typing import Callable, Optional
 
 import torch
@@ -158,6 +159,8 @@ class Engine:
         self._thread: Optional[threading.Thread] = None
         self._stop = False
         self.steps = 0
+        self.busy_seconds = 0.0  # wall time spent inside step() (an idle-fraction witness for RL services)
+        self.generated_tokens = 0
         self.max_running = 0  # most requests decoding together so far (a batching witness)
 
     # ------------------------------------------------------------ construction
@@ -307,6 +310,7 @@ class Engine:
     def step(self) -> list[Completion]:
         """One scheduler iteration (see the module docstring); returns the requests finished by it."""
         with self._lock, torch.no_grad():
+            started = time.perf_counter()
             self._admit()
             for req in [r for r in self._running if r.handle.cancelled]:
                 req.finish_reason = "stop"
@@ -316,7 +320,10 @@ class Engine:
                 self._forward(batch)
             finished += [r for r in self._running if r.finish_reason and r not in finished]
             self.steps += 1
-            return [self._finish(r) for r in finished]
+            done = [self._finish(r) for r in finished]
+            self.generated_tokens += sum(len(c.token_ids) for c in done)
+            self.busy_seconds += time.perf_counter() - started
+            return done
 
     def _admit(self) -> None:
         while self._incoming and self._free_slots:

@@ -63,6 +63,29 @@ def build_rl_parser():
     g.add_argument("--eval-tasks", type=int, default=d.eval_tasks,
                    help="held-out tasks solved greedily before the first step, every --eval-interval steps "
                         "and at the end")
+
+    g = p.add_argument_group("asynchronous RL on Ray (--async-rl)")
+    g.add_argument("--async-rl", action="store_true",
+                   help="run trainer, inference, environment and evaluation as Ray services (rl/async_rl)")
+    g.add_argument("--ray-address", default=None,
+                   help="an existing Ray cluster ('auto', or host:port of `ray start --head`); implies "
+                        "--async-rl; default: a Ray instance of this job on this machine")
+    g.add_argument("--max-inflight-groups", type=int, default=None,
+                   help="groups being sampled at once (default: 2 x --prompts-per-step)")
+    g.add_argument("--max-policy-lag", type=int, default=2,
+                   help="drop and resample a group whose oldest generated token is this many versions behind")
+    g.add_argument("--synchronous-rollouts", action="store_true",
+                   help="the baseline: sample one step's groups only while the trainer waits")
+    g.add_argument("--trainer-ranks", type=int, default=1,
+                   help="trainer actors, one torch.distributed rank each (data parallel)")
+    g.add_argument("--inference-workers", type=int, default=1)
+    g.add_argument("--env-workers", type=int, default=1)
+    g.add_argument("--group-timeout-s", type=float, default=600.0,
+                   help="a group's rollouts taking longer are abandoned and the group relaunched")
+    g.add_argument("--weight-sync-dtype", choices=("bf16", "fp16", "fp32"), default="bf16",
+                   help="the dtype weights are published in (what the inference workers run)")
+    g.add_argument("--rollout-long-tail", type=float, default=None,
+                   help="single-turn only (benchmarks): Pareto shape of per-sample lengths, stop tokens off")
     return p
 
 
@@ -70,6 +93,14 @@ def parse_rl_args(argv: Optional[list[str]] = None):
     """(args, TrainingConfig with stage "rl", RLConfig); ValueError names a bad flag."""
     args = parse_args(argv, build_rl_parser())
     args.stage = "rl"
+    args.async_rl = args.async_rl or args.ray_address is not None
+    for flag in ("max_inflight_groups", "trainer_ranks", "inference_workers", "env_workers"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} {value} must be >= 1")
+    if args.max_policy_lag < 0 or args.group_timeout_s <= 0:
+        raise ValueError(f"--max-policy-lag {args.max_policy_lag} must be >= 0 and --group-timeout-s "
+                         f"{args.group_timeout_s} > 0")
     cfg = TrainingConfig.from_args(args)
     values = {f: getattr(args, f) for f in RLConfig.__dataclass_fields__}
     values["eval_interval"] = args.eval_interval or 0  # the shared --eval-interval

@@ -16,7 +16,24 @@ from .arguments import parse_rl_args
 from .trainer import RLTrainer
 
 
-def train_rl(argv: Optional[list[str]] = None) -> RLTrainer:
+def train_rl(argv: Optional[list[str]] = None):
+    """Synchronous RL in this process (torchrun for more ranks), or with --async-rl the Ray services."""
+    args, _, _ = parse_rl_args(argv)
+    if args.async_rl:
+        from .async_rl.runner import run_async_rl
+
+        return run_async_rl(argv)
+    args, rl, trainer, log = build_rl_trainer(argv)
+    try:
+        trainer.resume()
+        trainer.train()
+    finally:
+        log.close()
+    return trainer
+
+
+def build_rl_trainer(argv: Optional[list[str]] = None):
+    """(args, RLConfig, RLTrainer, its logger) from train_rl.py's flags, on this rank's process group."""
     args, cfg, rl = parse_rl_args(argv)
     env = init_distributed(timeout_minutes=args.distributed_timeout_minutes)
     check_paths(args.load, args.save)
@@ -38,9 +55,4 @@ def train_rl(argv: Optional[list[str]] = None) -> RLTrainer:
               f"kl {rl.kl_coef} ({rl.kl_kind} in the {rl.kl_placement}), router replay "
               f"{'on' if trainer.replay is not None else 'off'}; model {counts.total / 1e6:.2f}M parameters, "
               f"DP={trainer.dp_size} CP={layout.cp}")
-    try:
-        trainer.resume()
-        trainer.train()
-    finally:
-        log.close()
-    return trainer
+    return args, rl, trainer, log

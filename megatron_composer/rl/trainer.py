@@ -61,6 +61,25 @@ class _Scored:
         self.effort_counts = sample.effort or EffortCounts(final_message_tokens=len(sample.completion_ids), turns=1)
 
 
+def episode_samples(results, groups: list[int], group_size: int, tokenizer) -> list[RolloutSample]:
+    """Agent episodes (`agentic.EpisodeResult`, in group order, `group_size` per group; `groups[j]` is
+    result j's group) as training samples: one per segment of each trajectory."""
+    samples, seen = [], {}
+    for result, g in zip(results, groups):
+        i = seen[g] = seen.get(g, -1) + 1
+        traj = result.trajectory
+        info = {"turns": traj.counts.turns, "summaries": len(traj.summaries),
+                "summary tokens": sum(len(tokenizer.encode(x)) for x in traj.summaries),
+                "finished": float(traj.finished), "generated tokens": traj.generated_tokens,
+                "tool calls": traj.counts.tool_calls}
+        for seg in traj.segments:
+            samples.append(RolloutSample(
+                g, seg.prompt_ids, seg.completion_ids, seg.logprobs, seg.padded_routes(), seg.policy_versions,
+                traj.stop_reason, traj.final_message or "", rewards=dict(result.verdict),
+                trajectory=g * group_size + i, loss_mask=seg.trained, effort=traj.counts, info=info))
+    return samples
+
+
 class RLTrainer(Trainer):
     """The Trainer with rollouts from a colocated engine as its data and the policy loss as its objective."""
 
@@ -106,12 +125,16 @@ class RLTrainer(Trainer):
         self.reference = None
         self.reference_path: Optional[str] = cfg.checkpoint.load
         self._rl_batches: list = []
+        self.checkpoint_files: dict[str, bytes] = {}  # saved inside every checkpoint (async RL: the buffer)
         self.history: list[dict] = []
         self.eval_history: list[dict] = []
 
     # ---- state --------------------------------------------------------------
     def state_dict(self) -> dict:
         return dict(super().state_dict(), rl_reference=self.reference_path)
+
+    def extra_checkpoint_files(self) -> dict[str, bytes]:
+        return dict(self.checkpoint_files)
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
@@ -190,20 +213,8 @@ class RLTrainer(Trainer):
             results = self.env.episodes(self.agent, jobs, max_workers=rl.episode_workers)
         finally:
             self.engine.stop()
-        samples = []
-        for j, result in enumerate(results):
-            g, i = mine[j // rl.group_size], j % rl.group_size
-            traj = result.trajectory
-            info = {"turns": traj.counts.turns, "summaries": len(traj.summaries),
-                    "summary tokens": sum(len(self.tokenizer.encode(x)) for x in traj.summaries),
-                    "finished": float(traj.finished), "generated tokens": traj.generated_tokens,
-                    "tool calls": traj.counts.tool_calls}
-            for seg in traj.segments:
-                samples.append(RolloutSample(
-                    g, seg.prompt_ids, seg.completion_ids, seg.logprobs, seg.padded_routes(), seg.policy_versions,
-                    traj.stop_reason, traj.final_message or "", rewards=dict(result.verdict),
-                    trajectory=g * rl.group_size + i, loss_mask=seg.trained, effort=traj.counts, info=info))
-        return samples
+        return episode_samples(results, [g for g in mine for _ in range(rl.group_size)], rl.group_size,
+                               self.tokenizer)
 
     def rollouts(self, iteration: int) -> list[RolloutSample]:
         """Every group of this step (this DP rank samples its share; all ranks get all)."""
@@ -323,6 +334,14 @@ class RLTrainer(Trainer):
         started = time.perf_counter()
         samples = self.rollouts(self.state.iteration)
         rollout_seconds = time.perf_counter() - started
+        metrics = self.train_on(samples)
+        metrics.update({"rollout seconds": rollout_seconds, "step seconds": time.perf_counter() - started})
+        return metrics
+
+    def train_on(self, samples: list[RolloutSample]) -> dict:
+        """Score, pack and take one policy update on a step's samples (groups 0 .. prompts_per_step - 1,
+        trajectories numbered group * group_size + index, every rank the same list); the metrics."""
+        started = time.perf_counter()
         metrics = self._prepare_batches(samples)
         if not any(b.normalizer_share for b in self._rl_batches) and self.dp_rank == 0 and self.cp_rank == 0:
             raise RuntimeError("internal: the loss normalizer was not placed on any micro-batch")
@@ -332,8 +351,8 @@ class RLTrainer(Trainer):
         if self.replay is not None:
             metrics["replaced experts"] = self.replay.replaced_fraction()
         metrics.update({"policy loss": result.losses["policy loss"], "grad norm": result.grad_norm,
-                        "lr": result.lr, "rollout seconds": rollout_seconds,
-                        "step seconds": time.perf_counter() - started, "skipped": float(result.skipped)})
+                        "lr": result.lr, "train seconds": time.perf_counter() - started,
+                        "skipped": float(result.skipped)})
         if "mtp loss" in result.losses:
             metrics["mtp loss"] = result.losses["mtp loss"]
         return metrics

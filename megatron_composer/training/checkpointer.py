@@ -73,7 +73,7 @@ class Checkpointer:
         t = self.trainer
         try:
             path = ckpt.save_checkpoint(self.cfg.save, t.state.iteration, t.model.module, t.optimizer,
-                                        self.meta())
+                                        self.meta(), extra_files=t.extra_checkpoint_files())
         except ckpt.CheckpointSaveError as exc:
             if self.cfg.exit_on_save_failure:
                 raise

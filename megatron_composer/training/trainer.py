@@ -151,6 +151,10 @@ class Trainer:
         return {"iteration": st.iteration, "consumed_samples": st.consumed_samples,
                 "skipped_iterations": st.skipped_iterations}
 
+    def extra_checkpoint_files(self) -> dict[str, bytes]:
+        """Files saved inside each checkpoint beside the model (rank 0's; none here, RL adds its buffer)."""
+        return {}
+
     def load_state_dict(self, state: dict) -> None:
         self.state.iteration = int(state["iteration"])
         self.state.consumed_samples = int(state["consumed_samples"])

@@ -1,0 +1,333 @@
+"""Asynchronous RL: the services of `services.py` as Ray actors, driven by the reconciler.
+
+    python train_rl.py --async-rl ...                 a Ray instance of this job on this machine
+    python train_rl.py --ray-address auto ...         an existing cluster (`ray start --head` / Slurm)
+
+The driver's loop (`AsyncRLRunner.run`):
+
+1. launch: the reconciler fills its free slots; each group goes to an
+   environment worker, whose agent talks to one inference worker;
+2. collect: a finished group enters the ready buffer; a failed one (its
+   worker died, Ray restarts the worker) or one past `--group-timeout-s` (its
+   worker is killed and restarted) is launched again; only in-flight samples
+   are lost;
+3. train: when the trainer is idle and `--prompts-per-step` fresh groups are
+   ready (those past `--max-policy-lag` are dropped and resampled), every
+   trainer rank takes the batch from the object store and steps; rollouts go
+   on meanwhile;
+4. sync: rank 0 publishes the new weights as a delta (`weight_sync`); each
+   inference worker and the evaluator swap them in between decode steps, so
+   sequences in flight continue and later tokens carry the new version; a
+   subscriber that cannot apply a delta (it restarted) gets a full snapshot;
+5. checkpoint every `--save-interval` steps with the reconciler's state inside
+   (ready groups with their versions, ids owed), so a kill -9 of the whole job
+   and a restart with `--load` loses or repeats no group; evaluate every
+   `--eval-interval` steps on the evaluator (greedy, held-out tasks).
+
+A dead trainer rank ends the job (its process group spans every rank): resume
+it from the last checkpoint. Metrics per step go to stdout, TensorBoard /
+wandb (rl/...), `async_rl_steps.jsonl` and `async_rl.png` in `--save`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Callable, Optional
+
+from ..arguments import parse_rl_args
+from .reconciler import Reconciler, decode_state, encode_state, token_lags
+from .services import EnvWorker, Evaluator, InferenceWorker, RemoteClient, RolloutSpec, TrainerWorker
+
+STEP_LOG = "async_rl_steps.jsonl"
+_DRIVER_ONLY_FLAGS = ("--tensorboard-dir", "--wandb-project", "--wandb-exp-name", "--wandb-save-dir")
+
+
+def _ray():
+    try:
+        import ray
+    except ImportError:
+        raise RuntimeError("--async-rl needs Ray: pip install -e '.[rl]' (or `make demo`, which installs it)") \
+            from None
+    return ray
+
+
+def trainer_argv(argv: list[str]) -> list[str]:
+    """train_rl.py's flags for a trainer rank: the driver keeps the loggers."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in _DRIVER_ONLY_FLAGS:
+            skip = True
+            continue
+        if a.split("=", 1)[0] in _DRIVER_ONLY_FLAGS:
+            continue
+        out.append(a)
+    return out
+
+
+class AsyncRLRunner:
+    """The driver (module docstring). `on_step(runner, metrics)`: called after each step (tests inject faults)."""
+
+    def __init__(self, argv: list[str], *, on_step: Optional[Callable] = None):
+        ray = self.ray = _ray()
+        self.args, self.cfg, self.rl = parse_rl_args(argv)
+        args, rl = self.args, self.rl
+        self.on_step = on_step
+        if not ray.is_initialized():
+            if args.ray_address:
+                ray.init(address=args.ray_address, log_to_driver=True)
+            else:
+                ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=True)
+        cores = os.cpu_count() or 1
+        gpus = ray.cluster_resources().get("GPU", 0)
+        world = args.trainer_ranks
+        per_gpu = {"num_gpus": 1} if gpus >= world + args.inference_workers else {"num_gpus": 0}
+        trainer_cls = ray.remote(num_cpus=0, **per_gpu)(TrainerWorker)
+        targv = trainer_argv(list(argv))
+        self.trainers = [trainer_cls.remote(targv, r, world, threads=max(1, cores // world),
+                                            weight_dtype=args.weight_sync_dtype) for r in range(world)]
+        master, port = ray.get(self.trainers[0].address.remote())
+        ray.get([t.setup.remote(master, port) for t in self.trainers])
+        info = ray.get(self.trainers[0].describe.remote())
+        self.version, self.train_iters = info["iteration"], info["train_iters"]
+        spec = RolloutSpec(rl, info["tokenizer_model"], info["seq_length"], info["seed"], info["tasks"],
+                           long_tail=args.rollout_long_tail)
+        restart = {"num_cpus": 0, "max_restarts": -1, "max_task_retries": 0}
+        infer_cls = ray.remote(**restart, **per_gpu)(InferenceWorker)
+        self.inference = [infer_cls.options(max_concurrency=4 * rl.group_size * rl.prompts_per_step + 8).remote(
+            info["model_config"], info["tokenizer_model"], max_model_len=info["seq_length"],
+            max_batch_size=rl.rollout_batch_size) for _ in range(args.inference_workers)]
+        env_cls = ray.remote(**restart)(EnvWorker)
+        self.envs = [env_cls.options(max_concurrency=4 * rl.prompts_per_step + 4).remote(
+            spec, RemoteClient(self.inference[i % len(self.inference)], timeout_s=args.group_timeout_s))
+            for i in range(args.env_workers)]
+        self.evaluator = None
+        if rl.eval_tasks and rl.env == "agentic-coding":
+            self.evaluator = ray.remote(**restart)(Evaluator).remote(spec, info["model_config"], count=rl.eval_tasks)
+        inflight = args.max_inflight_groups or 2 * rl.prompts_per_step
+        self.reconciler = Reconciler(rl.prompts_per_step, max_inflight_groups=inflight,
+                                     max_policy_lag=args.max_policy_lag, synchronous=args.synchronous_rollouts)
+        if info["buffer"] is not None:
+            self.reconciler.load_state_dict(decode_state(info["buffer"]))
+        self.save_dir = self.cfg.checkpoint.save
+        from ...training.logger import TrainingLogger
+
+        self.log = TrainingLogger(0, tensorboard_dir=args.tensorboard_dir, wandb_project=args.wandb_project,
+                                  wandb_name=args.wandb_exp_name, wandb_dir=args.wandb_save_dir)
+        self.history: list[dict] = []
+        self.eval_history: list[dict] = []
+        self.log.print(f"> async RL: {world} trainer rank(s), {len(self.inference)} inference worker(s), "
+                       f"{len(self.envs)} environment worker(s), evaluator {'on' if self.evaluator else 'off'}; "
+                       f"{inflight} groups in flight, policy lag <= {args.max_policy_lag}"
+                       f"{', synchronous rollouts' if args.synchronous_rollouts else ''}; "
+                       f"resuming at step {self.version}" + (f" with {len(self.reconciler.ready)} ready groups"
+                                                               if info["buffer"] else ""))
+
+    # ---- weights ---------------------------------------------------------------
+    def subscribers(self) -> list:
+        return self.inference + ([self.evaluator] if self.evaluator is not None else [])
+
+    def sync_all(self, workers: Optional[list] = None) -> None:
+        """A full snapshot to each of `workers` (default: the inference workers) not on the trainer's version
+        (at the start, or after Ray restarted one); waits until they have it."""
+        ray = self.ray
+        workers = self.inference if workers is None else workers
+        versions = ray.get([w.version.remote() for w in workers])
+        behind = [w for w, v in zip(workers, versions) if v != self.version]
+        if behind:
+            snap = self.trainers[0].snapshot.remote()
+            if not all(ray.get([w.update_weights.remote(snap) for w in behind])):
+                raise RuntimeError("internal: a subscriber refused a full snapshot")
+
+    # ---- the loop ----------------------------------------------------------------
+    def run(self) -> dict:
+        ray, rec, rl = self.ray, self.reconciler, self.rl
+        ray.get([t.prepare_save_dir.remote() for t in self.trainers])
+        self.sync_all(self.subscribers())
+        ray.get([w.reset_stats.remote() for w in self.inference] + [t.start_clock.remote() for t in self.trainers])
+        pending: dict = {}  # ObjectRef -> (group id, env worker, launch time)
+        self.pushes: list = []  # (subscriber, ObjectRef of its update_weights)
+        training = None  # (metrics ref, launch time) of the step in flight
+        evals: list = []
+        started = time.perf_counter()
+        if self.evaluator is not None:
+            evals.append(self.evaluator.evaluate.remote())
+        while self.version < self.train_iters:
+            for gid in rec.to_launch(self.version, trainer_busy=training is not None):
+                env = self.envs[gid % len(self.envs)]
+                pending[env.run_group.remote(gid, self.version)] = (gid, env, time.monotonic())
+            if training is None:
+                batch = rec.take_batch(self.version)
+                if batch is not None:
+                    lags = token_lags(batch, self.version)
+                    batch_ref = ray.put(batch)
+                    calls = [t.train_step.options(num_returns=2).remote(batch_ref) for t in self.trainers]
+                    metrics_ref, update_ref = calls[0]
+                    training = (metrics_ref, update_ref, lags, time.perf_counter())
+            waiting = list(pending) + ([training[0]] if training else [])
+            done, _ = ray.wait(waiting, num_returns=1, timeout=1.0)
+            for ref in done:
+                if training is not None and ref == training[0]:
+                    self.pushes += self._finish_step(training, started)
+                    training = None
+                else:
+                    gid, _, _ = pending.pop(ref)
+                    try:
+                        rec.complete(ray.get(ref))
+                    except (ray.exceptions.RayError, RuntimeError, ValueError) as exc:
+                        self.log.print(f" group {gid} lost ({type(exc).__name__}): launched again")
+                        rec.failed(gid)
+                        self.sync_all()
+            self._expire(pending)
+            self.pushes = self._check_pushes(self.pushes)
+            if self.evaluator is not None and training is None and self.history and rl.eval_interval and \
+                    self.version % rl.eval_interval == 0 and self.history[-1].get("evaluated") is None:
+                self.history[-1]["evaluated"] = True
+                evals.append(self.evaluator.evaluate.remote())
+            evals = self._collect_evals(evals, wait=False)
+        for ref in pending:  # the last step's spare rollouts: not needed
+            ray.cancel(ref)
+        if self.evaluator is not None:
+            evals.append(self.evaluator.evaluate.remote())
+        self._collect_evals(evals, wait=True)
+        self.save(final=True)
+        summary = self.summary(time.perf_counter() - started)
+        self.plot()
+        self.log.close()
+        return summary
+
+    def _finish_step(self, training, started: float) -> list:
+        ray, rec = self.ray, self.reconciler
+        metrics_ref, update_ref, lags, launched = training
+        metrics = ray.get(metrics_ref)
+        self.version += 1
+        pushes = [(w, w.update_weights.remote(update_ref)) for w in self.subscribers()]
+        wall = time.perf_counter() - started
+        stats = ray.get([w.stats.remote() for w in self.inference])
+        busy = sum(s["busy seconds"] for s in stats) / max(1e-9, sum(s["wall seconds"] for s in stats))
+        generated = sum(s["generated tokens"] for s in stats)
+        samples = (self.history[-1]["samples"] if self.history else 0) + self.rl.prompts_per_step * self.rl.group_size
+        waited = (self.history[-1]["trainer waited"] if self.history else 0.0) + metrics["trainer wait seconds"]
+        row = dict(metrics, iteration=self.version, samples=samples, wall=wall,
+                   **{"samples/s": samples / wall, "generated tokens/s": generated / wall,
+                      "trainer waited": waited, "trainer idle fraction": waited / wall,
+                      "inference idle fraction": 1.0 - busy,
+                      "staleness mean": sum(lags) / max(1, len(lags)), "staleness max": float(max(lags, default=0)),
+                      "staleness": {str(k): lags.count(k) / max(1, len(lags)) for k in sorted(set(lags))},
+                      "groups stale": float(rec.stats["stale"]), "groups failed": float(rec.stats["failed"])})
+        self.history.append(row)
+        self._log_step(row)
+        interval = self.cfg.checkpoint.save_interval
+        if self.save_dir and interval and self.version % interval == 0:
+            self.save()
+        if self.on_step is not None:
+            self.on_step(self, row)
+        return pushes
+
+    def _log_step(self, row: dict) -> None:
+        line = {k: row[k] for k in ("reward", "task all_pass", "policy loss", "staleness mean", "sync bytes",
+                                    "trainer idle fraction", "samples/s", "train seconds") if k in row}
+        scalars = {f"rl/{k}": v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        scalars.update({f"rl/staleness fraction lag {k}": v for k, v in row["staleness"].items()})
+        self.log.log(self.version, self.train_iters, line, scalars)
+        if self.save_dir:
+            os.makedirs(self.save_dir, exist_ok=True)
+            with open(os.path.join(self.save_dir, STEP_LOG), "a") as f:
+                f.write(json.dumps({k: v for k, v in row.items() if k != "evaluated"}) + "\n")
+
+    def _expire(self, pending: dict) -> None:
+        """Groups past --group-timeout-s: their worker is killed (Ray restarts it) and they are relaunched."""
+        now, limit = time.monotonic(), self.args.group_timeout_s
+        for ref, (gid, env, launched) in list(pending.items()):
+            if now - launched > limit:
+                self.log.print(f" group {gid} ran past --group-timeout-s {limit:g}: restarting its worker")
+                self.ray.kill(env, no_restart=False)  # its other groups fail and come back too
+
+    def _check_pushes(self, pushes: list) -> list:
+        ray = self.ray
+        if not pushes:
+            return pushes
+        done, _ = ray.wait([r for _, r in pushes], num_returns=len(pushes), timeout=0)
+        left, behind = [], []
+        for w, r in pushes:
+            if r not in done:
+                left.append((w, r))
+                continue
+            try:
+                ok = ray.get(r)
+            except ray.exceptions.RayError:
+                ok = False  # the subscriber died; Ray restarts it without weights
+            if not ok and w not in behind:
+                behind.append(w)
+        if behind:  # without waiting: a busy evaluator takes its snapshot after its evaluation
+            snap = self.trainers[0].snapshot.remote()
+            left += [(w, w.update_weights.remote(snap)) for w in behind]
+        return left
+
+    def _collect_evals(self, evals: list, *, wait: bool) -> list:
+        ray = self.ray
+        if not evals:
+            return evals
+        done, left = ray.wait(evals, num_returns=len(evals) if wait else 1, timeout=None if wait else 0)
+        for ref in done:
+            try:
+                result = ray.get(ref)
+            except ray.exceptions.RayError as exc:
+                self.log.print(f" an evaluation was lost ({type(exc).__name__}); the next one runs on schedule")
+                snap = self.trainers[0].snapshot.remote()  # Ray restarted it without weights
+                self.pushes.append((self.evaluator, self.evaluator.update_weights.remote(snap)))
+                continue
+            self.eval_history.append(result)
+            self.log.print(f"> eval of weights version {result['iteration']}: solved {result['eval solved']:.3f} "
+                           f"of {int(result['eval tasks'])} held-out tasks, correctness "
+                           f"{result['eval correctness']:.3f}")
+            self.log.scalars(result["iteration"], {f"rl/{k}": v for k, v in result.items() if k != "iteration"})
+        return list(left)
+
+    # ---- checkpoints and the report -------------------------------------------------
+    def save(self, final: bool = False) -> None:
+        if not self.save_dir:
+            return
+        if final and self.history and self.cfg.checkpoint.save_interval and \
+                self.version % self.cfg.checkpoint.save_interval == 0:
+            return  # this step was just saved
+        buffer = encode_state(self.reconciler.state_dict())
+        self.ray.get([t.save.remote(buffer) for t in self.trainers])
+
+    def summary(self, wall: float) -> dict:
+        h = self.history
+        out = {"steps": len(h), "wall seconds": wall, "groups": self.reconciler.stats["trained"],
+               "trainer idle fraction": h[-1]["trainer idle fraction"] if h else 0.0,
+               "inference idle fraction": h[-1]["inference idle fraction"] if h else 0.0,
+               "reward first": h[0]["reward"] if h else 0.0, "reward last": h[-1]["reward"] if h else 0.0,
+               "sync bytes": sum(r.get("sync bytes", 0.0) for r in h[1:]) / max(1, len(h) - 1),
+               "sync full bytes": h[-1].get("sync full bytes", 0.0) if h else 0.0,
+               "stale groups": self.reconciler.stats["stale"], "failed groups": self.reconciler.stats["failed"]}
+        self.log.print("> async RL done: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                                       for k, v in out.items()))
+        return out
+
+    def plot(self) -> Optional[str]:
+        if not self.save_dir or not self.history:
+            return None
+        from .report import plot_async_run
+
+        return plot_async_run(self.history, self.eval_history, os.path.join(self.save_dir, "async_rl.png"))
+
+    def shutdown(self) -> None:
+        for actor in self.trainers + self.inference + self.envs + ([self.evaluator] if self.evaluator else []):
+            self.ray.kill(actor, no_restart=True)
+
+
+def run_async_rl(argv: Optional[list[str]] = None) -> dict:
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    runner = AsyncRLRunner(argv)
+    try:
+        return runner.run()
+    finally:
+        runner.shutdown()

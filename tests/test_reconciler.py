@@ -1,0 +1,78 @@
+"""The reconciler's slots, lag limit and checkpointed buffer."""
+import pytest
+import torch
+
+from megatron_composer.rl.async_rl.reconciler import Group, Reconciler, decode_state, encode_state, token_lags
+from megatron_composer.rl.batches import RolloutSample
+from megatron_composer.rl.rewards import EffortCounts
+
+
+def _group(gid, versions, launched=0):
+    s = RolloutSample(gid, [1, 2], [3] * len(versions), [-0.5] * len(versions), None, list(versions), "stop",
+                      rewards={"correctness": 1.0}, effort=EffortCounts(turns=2, tool_calls=1), info={"turns": 2})
+    return Group(gid, [s], launched)
+
+
+def test_slots_stay_filled_and_ids_are_handed_out_once():
+    r = Reconciler(2, max_inflight_groups=3, max_policy_lag=1)
+    assert r.to_launch(0) == [0, 1, 2]
+    assert r.to_launch(0) == []  # every slot is taken
+    r.complete(_group(1, [0, 0]))
+    assert r.to_launch(0) == [3]
+    r.failed(0)  # its worker died: the id comes back, nothing else
+    assert r.to_launch(0) == [0]
+    assert r.take_batch(0) is None  # one group ready, two per step
+    r.complete(_group(3, [0]))
+    assert [g.group_id for g in r.take_batch(0)] == [1, 3]
+    with pytest.raises(RuntimeError, match="group 3 completed but was not in flight"):
+        r.complete(_group(3, [0]))
+
+
+def test_the_lag_limit_is_on_the_oldest_generated_token():
+    r = Reconciler(1, max_inflight_groups=4, max_policy_lag=2)
+    r.to_launch(0)
+    r.complete(_group(0, [1, 3, 4]))  # oldest token from version 1
+    r.complete(_group(1, [2, 2]))
+    batch = r.take_batch(4)  # lag 3 > 2 for group 0: dropped and owed again; group 1's lag is 2
+    assert [g.group_id for g in batch] == [1]
+    assert list(r.relaunch) == [0] and r.stats["stale"] == 1
+    assert r.to_launch(4) == [0, 4]  # relaunched before any new id
+    assert token_lags([_group(5, [1, 3, -1])], 4) == [3, 1]  # -1: prompt or tool tokens carry no version
+
+
+def test_synchronous_launches_one_step_when_everything_is_drained():
+    r = Reconciler(2, max_inflight_groups=8, max_policy_lag=0, synchronous=True)
+    assert r.to_launch(0) == [0, 1]
+    assert r.to_launch(0) == []
+    r.complete(_group(0, [0]))
+    r.complete(_group(1, [0]))
+    assert r.to_launch(0) == []  # ready groups not yet trained
+    assert [g.group_id for g in r.take_batch(0)] == [0, 1]
+    assert r.to_launch(1, trainer_busy=True) == []
+    assert r.to_launch(1) == [2, 3]
+
+
+def test_a_checkpointed_state_owes_the_inflight_groups_and_keeps_the_ready_ones():
+    r = Reconciler(2, max_inflight_groups=3, max_policy_lag=1)
+    r.to_launch(0)  # 0, 1, 2
+    r.complete(_group(2, [0, 0]))
+    data = encode_state(r.state_dict())
+    restored = Reconciler(2, max_inflight_groups=3, max_policy_lag=1)
+    restored.load_state_dict(decode_state(data))
+    assert restored.next_group_id == 3 and list(restored.relaunch) == [0, 1] and not restored.inflight
+    (g,) = restored.ready
+    s = g.samples[0]
+    assert (g.group_id, s.policy_versions, s.completion_ids, s.effort.turns, s.rewards) == (2, [0, 0], [3, 3], 2,
+                                                                                           {"correctness": 1.0})
+    assert restored.to_launch(1) == [0, 1, 3]
+    # loaded with weights_only=True: nothing but plain containers and tensors inside
+    assert torch.load(__import__("io").BytesIO(data), weights_only=True)["next_group_id"] == 3
+    with pytest.raises(ValueError, match="RL buffer cannot be read"):
+        decode_state(b"garbage")
+
+
+def test_bad_settings_name_the_flag():
+    with pytest.raises(ValueError, match="--max-inflight-groups 0"):
+        Reconciler(1, max_inflight_groups=0, max_policy_lag=1)
+    with pytest.raises(ValueError, match="--max-policy-lag -1"):
+        Reconciler(1, max_inflight_groups=1, max_policy_lag=-1)
