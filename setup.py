@@ -49,7 +49,7 @@ setup(
         # triton: the quantization kernels' tests run through its CPU interpreter; CUDA builds of
         # torch already ship a triton, which this leaves as it is.
         "test": ["pytest", "transformers", "triton>=3.0; platform_system == 'Linux'",
-                 "openai", "schemathesis", "hypothesis", "httpx"],
+                 "openai", "schemathesis", "hypothesis", "httpx", "ray"],
         # What megatron-core 0.16.1 supports. Never the PyPI package named
         # `apex`: it is an unrelated project.
         "gpu": ["transformer-engine[pytorch]>=2.9,<2.12", "pyyaml"],

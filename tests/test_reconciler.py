@@ -18,14 +18,15 @@ def test_slots_stay_filled_and_ids_are_handed_out_once():
     assert r.to_launch(0) == [0, 1, 2]
     assert r.to_launch(0) == []  # every slot is taken
     r.complete(_group(1, [0, 0]))
-    assert r.to_launch(0) == [3]
+    assert r.to_launch(0) == []  # a ready group keeps its slot until the trainer takes it
     r.failed(0)  # its worker died: the id comes back, nothing else
     assert r.to_launch(0) == [0]
     assert r.take_batch(0) is None  # one group ready, two per step
-    r.complete(_group(3, [0]))
-    assert [g.group_id for g in r.take_batch(0)] == [1, 3]
-    with pytest.raises(RuntimeError, match="group 3 completed but was not in flight"):
-        r.complete(_group(3, [0]))
+    r.complete(_group(2, [0]))
+    assert [g.group_id for g in r.take_batch(0)] == [1, 2]
+    assert r.to_launch(1) == [3, 4]  # group 0 still holds its slot
+    with pytest.raises(RuntimeError, match="group 2 completed but was not in flight"):
+        r.complete(_group(2, [0]))
 
 
 def test_the_lag_limit_is_on_the_oldest_generated_token():
@@ -64,7 +65,7 @@ def test_a_checkpointed_state_owes_the_inflight_groups_and_keeps_the_ready_ones(
     s = g.samples[0]
     assert (g.group_id, s.policy_versions, s.completion_ids, s.effort.turns, s.rewards) == (2, [0, 0], [3, 3], 2,
                                                                                            {"correctness": 1.0})
-    assert restored.to_launch(1) == [0, 1, 3]
+    assert restored.to_launch(1) == [0, 1]  # the owed ids first; the ready group holds the third slot
     # loaded with weights_only=True: nothing but plain containers and tensors inside
     assert torch.load(__import__("io").BytesIO(data), weights_only=True)["next_group_id"] == 3
     with pytest.raises(ValueError, match="RL buffer cannot be read"):

@@ -5,8 +5,10 @@ slots, completed (or failed, then launched again), held in the ready buffer,
 handed to the trainer as one step's batch. It trades throughput against
 staleness in two places:
 
-1. slots: more groups in flight keep the inference and environment workers
-   busy while the trainer steps, but sample further behind the newest weights;
+1. slots: a group holds a slot from its launch until the trainer takes it
+   (sampling, or ready and waiting); more slots keep the inference and
+   environment workers busy while the trainer steps, but sample further
+   behind the newest weights;
 2. lag: a group whose oldest generated token is more than `max_policy_lag`
    versions behind the policy that would train on it is dropped and its
    group id launched again (fresh samples of the same task).
@@ -77,7 +79,7 @@ class Reconciler:
                 return []
             room = self.groups_per_step
         else:
-            room = self.max_inflight_groups - len(self.inflight)
+            room = self.max_inflight_groups - len(self.inflight) - len(self.ready)
         ids = []
         while len(ids) < room:
             if self.relaunch:

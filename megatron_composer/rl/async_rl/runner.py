@@ -40,6 +40,7 @@ from .reconciler import Reconciler, decode_state, encode_state, token_lags
 from .services import EnvWorker, Evaluator, InferenceWorker, RemoteClient, RolloutSpec, TrainerWorker
 
 STEP_LOG = "async_rl_steps.jsonl"
+SERVICES_FILE = "async_rl_services.json"  # which process is which service (pids, for operators and tests)
 _DRIVER_ONLY_FLAGS = ("--tensorboard-dir", "--wandb-project", "--wandb-exp-name", "--wandb-save-dir")
 
 
@@ -119,12 +120,25 @@ class AsyncRLRunner:
                                   wandb_name=args.wandb_exp_name, wandb_dir=args.wandb_save_dir)
         self.history: list[dict] = []
         self.eval_history: list[dict] = []
+        self.job = f"{os.getpid()}-{int(time.time())}"  # tells this job's rows in the step log from a resumed one's
         self.log.print(f"> async RL: {world} trainer rank(s), {len(self.inference)} inference worker(s), "
                        f"{len(self.envs)} environment worker(s), evaluator {'on' if self.evaluator else 'off'}; "
                        f"{inflight} groups in flight, policy lag <= {args.max_policy_lag}"
                        f"{', synchronous rollouts' if args.synchronous_rollouts else ''}; "
                        f"resuming at step {self.version}" + (f" with {len(self.reconciler.ready)} ready groups"
                                                                if info["buffer"] else ""))
+
+    def write_services(self) -> dict:
+        """{service kind: [pid, ...]} of the actors now, also written to `--save`/async_rl_services.json."""
+        ray = self.ray
+        kinds = {"trainer": self.trainers, "inference": self.inference, "environment": self.envs,
+                 "evaluator": [self.evaluator] if self.evaluator is not None else []}
+        pids = {k: ray.get([a.pid.remote() for a in actors]) for k, actors in kinds.items()}
+        if self.save_dir:
+            os.makedirs(self.save_dir, exist_ok=True)
+            with open(os.path.join(self.save_dir, SERVICES_FILE), "w") as f:
+                json.dump(pids, f)
+        return pids
 
     # ---- weights ---------------------------------------------------------------
     def subscribers(self) -> list:
@@ -133,28 +147,43 @@ class AsyncRLRunner:
     def sync_all(self, workers: Optional[list] = None) -> None:
         """A full snapshot to each of `workers` (default: the inference workers) not on the trainer's version
         (at the start, or after Ray restarted one); waits until they have it."""
-        ray = self.ray
         workers = self.inference if workers is None else workers
-        versions = ray.get([w.version.remote() for w in workers])
-        behind = [w for w, v in zip(workers, versions) if v != self.version]
+        behind = [w for w in workers if self._when_up(lambda: w.version.remote()) != self.version]
         if behind:
             snap = self.trainers[0].snapshot.remote()
-            if not all(ray.get([w.update_weights.remote(snap) for w in behind])):
-                raise RuntimeError("internal: a subscriber refused a full snapshot")
+            for w in behind:
+                if not self._when_up(lambda: w.update_weights.remote(snap)):
+                    raise RuntimeError("internal: a subscriber refused a full snapshot")
+
+    def _when_up(self, call: Callable, timeout_s: float = 300.0):
+        """ray.get(call()), retried while the actor is restarting (Ray brings it back; until then it is
+        unavailable); an actor that died for good raises."""
+        ray = self.ray
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return ray.get(call())
+            except ray.exceptions.ActorUnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
 
     # ---- the loop ----------------------------------------------------------------
     def run(self) -> dict:
         ray, rec, rl = self.ray, self.reconciler, self.rl
         ray.get([t.prepare_save_dir.remote() for t in self.trainers])
         self.sync_all(self.subscribers())
+        self.write_services()
         ray.get([w.reset_stats.remote() for w in self.inference] + [t.start_clock.remote() for t in self.trainers])
         pending: dict = {}  # ObjectRef -> (group id, env worker, launch time)
         self.pushes: list = []  # (subscriber, ObjectRef of its update_weights)
         training = None  # (metrics ref, launch time) of the step in flight
         evals: list = []
         started = time.perf_counter()
+        evaluated = None  # the version last sent for evaluation
         if self.evaluator is not None:
             evals.append(self.evaluator.evaluate.remote())
+            evaluated = self.version
         while self.version < self.train_iters:
             for gid in rec.to_launch(self.version, trainer_busy=training is not None):
                 env = self.envs[gid % len(self.envs)]
@@ -183,14 +212,14 @@ class AsyncRLRunner:
                         self.sync_all()
             self._expire(pending)
             self.pushes = self._check_pushes(self.pushes)
-            if self.evaluator is not None and training is None and self.history and rl.eval_interval and \
-                    self.version % rl.eval_interval == 0 and self.history[-1].get("evaluated") is None:
-                self.history[-1]["evaluated"] = True
-                evals.append(self.evaluator.evaluate.remote())
+            if self.evaluator is not None and rl.eval_interval and self.version % rl.eval_interval == 0 and \
+                    evaluated != self.version:
+                evals.append(self.evaluator.evaluate.remote())  # queued behind this version's weights
+                evaluated = self.version
             evals = self._collect_evals(evals, wait=False)
         for ref in pending:  # the last step's spare rollouts: not needed
             ray.cancel(ref)
-        if self.evaluator is not None:
+        if self.evaluator is not None and evaluated != self.version:
             evals.append(self.evaluator.evaluate.remote())
         self._collect_evals(evals, wait=True)
         self.save(final=True)
@@ -236,7 +265,7 @@ class AsyncRLRunner:
         if self.save_dir:
             os.makedirs(self.save_dir, exist_ok=True)
             with open(os.path.join(self.save_dir, STEP_LOG), "a") as f:
-                f.write(json.dumps({k: v for k, v in row.items() if k != "evaluated"}) + "\n")
+                f.write(json.dumps(dict(row, job=self.job)) + "\n")
 
     def _expire(self, pending: dict) -> None:
         """Groups past --group-timeout-s: their worker is killed (Ray restarts it) and they are relaunched."""
@@ -323,11 +352,21 @@ class AsyncRLRunner:
 
 
 def run_async_rl(argv: Optional[list[str]] = None) -> dict:
+    """train_rl.py --async-rl: build, run, shut the actors down. An error inside an actor (a bad flag, a
+    missing checkpoint) is raised here as itself, not wrapped in Ray's traceback."""
     import sys
 
+    ray = _ray()
     argv = list(sys.argv[1:] if argv is None else argv)
-    runner = AsyncRLRunner(argv)
+    runner = None
     try:
+        runner = AsyncRLRunner(argv)
         return runner.run()
+    except ray.exceptions.RayTaskError as exc:
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, (ValueError, FileNotFoundError, RuntimeError)):
+            raise cause from None
+        raise
     finally:
-        runner.shutdown()
+        if runner is not None:
+            runner.shutdown()

@@ -330,11 +330,12 @@ class EnvWorker:
 def agent_config(rl, seq_length: int, **overrides):
     from ..agent import AgentConfig
 
-    return AgentConfig(max_turns=rl.max_turns, max_turn_tokens=rl.max_new_tokens, max_context_tokens=seq_length,
-                       max_total_tokens=rl.token_budget, max_observation_tokens=rl.max_observation_tokens,
-                       summary_trigger_tokens=rl.summary_trigger_tokens, max_summaries=rl.max_summaries,
-                       summary_max_tokens=rl.summary_max_tokens, temperature=rl.temperature, top_p=rl.top_p,
-                       return_routed_experts=rl.router_replay, **overrides)
+    config = AgentConfig(max_turns=rl.max_turns, max_turn_tokens=rl.max_new_tokens, max_context_tokens=seq_length,
+                         max_total_tokens=rl.token_budget, max_observation_tokens=rl.max_observation_tokens,
+                         summary_trigger_tokens=rl.summary_trigger_tokens, max_summaries=rl.max_summaries,
+                         summary_max_tokens=rl.summary_max_tokens, temperature=rl.temperature, top_p=rl.top_p,
+                         return_routed_experts=rl.router_replay)
+    return dataclasses.replace(config, **overrides)
 
 
 class Evaluator(InferenceWorker):
