@@ -45,18 +45,9 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 def validation_prompts(data_dir: str, count: int, length: int, min_length: int) -> list[list[int]]:
     """The first `length` tokens of the first `count` validation documents at least `min_length` long."""
-    from megatron_composer.data.indexed import document_offsets, open_indexed_dataset, read_tokens
+    from megatron_composer.data.indexed import document_prefixes
 
-    dataset = open_indexed_dataset(os.path.join(data_dir, "stdlib_valid"))
-    offsets = document_offsets(dataset)
-    prompts = []
-    for start, end in zip(offsets[:-1], offsets[1:]):
-        if end - start >= min_length:
-            prompts.append(read_tokens(dataset, int(start), length).tolist())
-        if len(prompts) == count:
-            return prompts
-    raise ValueError(f"{data_dir}/stdlib_valid has {len(prompts)} documents of >= {min_length} tokens; "
-                     f"ask for --prompts {len(prompts)} or shorter --prompt-len / --new-tokens")
+    return document_prefixes(os.path.join(data_dir, "stdlib_valid"), count, length, min_length)
 
 
 def run(engine, prompts, params) -> dict:

@@ -245,3 +245,18 @@ def read_tokens(dataset: IndexedDataset, start: int, length: int) -> np.ndarray:
     dtype = dataset.index.dtype
     array = dataset.bin_reader.read(dtype=dtype, count=length, offset=start * np.dtype(dtype).itemsize)
     return array.astype(np.int64)
+
+
+def document_prefixes(prefix: str, count: int, length: int, min_length: int) -> list[list[int]]:
+    """The first `length` tokens of the first `count` documents of the dataset at `prefix` that hold at
+    least `min_length` tokens (held-out prompts for decoding measurements)."""
+    dataset = open_indexed_dataset(prefix)
+    offsets = document_offsets(dataset)
+    prompts = []
+    for start, end in zip(offsets[:-1], offsets[1:]):
+        if end - start >= min_length:
+            prompts.append(read_tokens(dataset, int(start), length).tolist())
+        if len(prompts) == count:
+            return prompts
+    raise ValueError(f"{prefix} has {len(prompts)} documents of >= {min_length} tokens; ask for fewer prompts "
+                     f"or shorter prompts / completions")
