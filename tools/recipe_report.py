@@ -60,7 +60,7 @@ def rl_evals(run_dir: str) -> list[tuple[int, float, float]]:
         return [(int(m.group(1)), float(m.group(2)), float(m.group(4))) for m in _EVAL.finditer(f.read())]
 
 
-def acceptance(checkpoint: str, data_dir: str, prompts: int = 4, new_tokens: int = 32) -> float | None:
+def acceptance(checkpoint: str, data_dir: str, prompts: int = 3, new_tokens: int = 24) -> float | None:
     """The MTP draft's acceptance rate at temperature 1 on held-out prompts (None: no checkpoint)."""
     if not os.path.exists(os.path.join(checkpoint, "latest_checkpointed_iteration.txt")):
         return None

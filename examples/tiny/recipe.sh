@@ -31,9 +31,9 @@ stage() {  # stage NAME: say what runs, time it; skipped when NAME's checkpoint 
 
 if stage cpt_32k; then
     $PY pretrain_cpt.py --stage cpt-32k --model-preset tiny --data-cache-dir "$CACHE" \
-        --micro-batch-size 4 --global-batch-size 8 --train-iters ${CPT_ITERS:-50} \
-        --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 5 --log-interval 5 --eval-interval 25 --eval-iters 2 \
-        --save "$OUT/cpt_32k" --save-interval ${CPT_ITERS:-50} --tensorboard-dir "$OUT/tensorboard/cpt_32k" \
+        --micro-batch-size 4 --global-batch-size 8 --train-iters ${CPT_ITERS:-40} \
+        --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 5 --log-interval 5 --eval-interval 20 --eval-iters 2 \
+        --save "$OUT/cpt_32k" --save-interval ${CPT_ITERS:-40} --tensorboard-dir "$OUT/tensorboard/cpt_32k" \
         2>&1 | tee "$OUT/logs/cpt_32k.log"
 fi
 TOKENIZER=$CACHE/tokenizer.model
@@ -50,14 +50,14 @@ fi
 if stage mtp; then
     $PY pretrain_cpt.py --stage cpt-32k --model-preset tiny --data-cache-dir "$CACHE" \
         --load "$OUT/cpt_256k" --finetune --mtp-freeze-trunk --mtp-loss self-distill \
-        --micro-batch-size 4 --global-batch-size 8 --train-iters ${MTP_ITERS:-20} \
+        --micro-batch-size 4 --global-batch-size 8 --train-iters ${MTP_ITERS:-10} \
         --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 2 --log-interval 5 \
         --save "$OUT/mtp" 2>&1 | tee "$OUT/logs/mtp.log"
 fi
 
 if stage sft; then
     if [ ! -f "$OUT/agent_sft/train.jsonl" ]; then
-        $PY -m megatron_composer.rl.sft_trajectories --families write-file --count ${SFT_TASKS:-300} \
+        $PY -m megatron_composer.rl.sft_trajectories --families write-file --count ${SFT_TASKS:-200} \
             --workers 16 --output "$OUT/agent_sft/train.jsonl"
         $PY -m megatron_composer.rl.sft_trajectories --families write-file --split eval --count 16 \
             --workers 16 --output "$OUT/agent_sft/valid.jsonl"
@@ -65,8 +65,8 @@ if stage sft; then
     $PY pretrain_cpt.py --stage sft --model-preset tiny --data-cache-dir "$CACHE" \
         --data-path "$OUT/agent_sft/train.jsonl" --valid-data-path "$OUT/agent_sft/valid.jsonl" \
         --tokenizer-model "$TOKENIZER" --seq-length 512 --micro-batch-size 4 \
-        --train-iters ${SFT_ITERS:-150} --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 5 \
-        --log-interval 10 --eval-interval ${SFT_ITERS:-150} --eval-iters 1 \
+        --train-iters ${SFT_ITERS:-120} --lr 3e-3 --min-lr 3e-4 --lr-warmup-iters 5 \
+        --log-interval 10 --eval-interval ${SFT_ITERS:-120} --eval-iters 1 \
         --load "$OUT/mtp" --finetune --save "$OUT/sft" 2>&1 | tee "$OUT/logs/sft.log"
 fi
 
@@ -80,7 +80,7 @@ if stage rl; then
         --max-inflight-groups 8 --max-policy-lag 2 \
         --lr ${RL_LR:-5e-4} --min-lr ${RL_LR:-5e-4} --lr-warmup-iters 0 \
         --reward correctness=1.0,tool_misuse=0.2 \
-        --eval-tasks 8 --eval-interval 6 --log-interval 1 \
+        --eval-tasks 4 --eval-interval 6 --log-interval 1 \
         --tensorboard-dir "$OUT/tensorboard/rl" 2>&1 | tee "$OUT/logs/rl.log"
 fi
 

@@ -88,7 +88,10 @@ class AsyncRLRunner:
         per_gpu = {"num_gpus": 1} if gpus >= world + args.inference_workers else {"num_gpus": 0}
         trainer_cls = ray.remote(num_cpus=0, **per_gpu)(TrainerWorker)
         targv = trainer_argv(list(argv))
-        self.trainers = [trainer_cls.remote(targv, r, world, threads=max(1, cores // world),
+        # torch threads: the inference workers keep one core each; more threads than cores make every
+        # service crawl (intra-op pools spin)
+        threads = max(1, (cores - args.inference_workers) // world)
+        self.trainers = [trainer_cls.remote(targv, r, world, threads=threads,
                                             weight_dtype=args.weight_sync_dtype) for r in range(world)]
         master, port = ray.get(self.trainers[0].address.remote())
         ray.get([t.setup.remote(master, port) for t in self.trainers])
