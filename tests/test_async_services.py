@@ -82,3 +82,41 @@ def test_one_async_round_trip_serves_the_trained_weights_exactly(data_dir, tmp_p
     finally:
         inference.engine.stop()
         trainer.close()
+
+
+@pytest.mark.parametrize("flags, match", [(["--max-inflight-groups", "0"], "--max-inflight-groups 0 must be >= 1"),
+                                          (["--trainer-ranks", "0"], "--trainer-ranks 0 must be >= 1"),
+                                          (["--max-policy-lag", "-1"], "--max-policy-lag -1 must be >= 0"),
+                                          (["--group-timeout-s", "0"], "--group-timeout-s 0.0 > 0")])
+def test_bad_async_flags_are_named(flags, match):
+    from megatron_composer.rl.arguments import parse_rl_args
+
+    with pytest.raises(ValueError, match=match):
+        parse_rl_args(["--async-rl"] + flags)
+
+
+def test_the_driver_keeps_the_loggers_and_ray_address_implies_async():
+    from megatron_composer.rl.arguments import parse_rl_args
+    from megatron_composer.rl.async_rl.runner import trainer_argv
+
+    argv = ["--tensorboard-dir", "tb", "--lr", "1e-4", "--wandb-project=p", "--save", "s"]
+    assert trainer_argv(argv) == ["--lr", "1e-4", "--save", "s"]
+    args, _, _ = parse_rl_args(["--ray-address", "auto"])
+    assert args.async_rl
+
+
+def test_a_group_past_its_timeout_gets_its_worker_killed_for_a_restart():
+    import time
+    import types
+
+    from megatron_composer.rl.async_rl.runner import AsyncRLRunner
+
+    killed, printed = [], []
+    runner = object.__new__(AsyncRLRunner)  # only the timeout logic: no Ray, no actors
+    runner.ray = types.SimpleNamespace(kill=lambda actor, no_restart: killed.append((actor, no_restart)))
+    runner.args = types.SimpleNamespace(group_timeout_s=5.0)
+    runner.log = types.SimpleNamespace(print=printed.append)
+    now = time.monotonic()
+    runner._expire({"hung": (3, "env-a", now - 6.0), "fine": (4, "env-b", now - 1.0)})
+    assert killed == [("env-a", False)]  # Ray restarts it; its groups fail and are launched again
+    assert "group 3 ran past --group-timeout-s 5" in printed[0]
