@@ -116,7 +116,10 @@ def test_a_group_past_its_timeout_gets_its_worker_killed_for_a_restart():
     runner.ray = types.SimpleNamespace(kill=lambda actor, no_restart: killed.append((actor, no_restart)))
     runner.args = types.SimpleNamespace(group_timeout_s=5.0)
     runner.log = types.SimpleNamespace(print=printed.append)
+    runner.expired = set()
     now = time.monotonic()
-    runner._expire({"hung": (3, "env-a", now - 6.0), "fine": (4, "env-b", now - 1.0)})
+    pending = {"hung": (3, "env-a", now - 6.0), "fine": (4, "env-b", now - 1.0)}
+    runner._expire(pending)
+    runner._expire(pending)  # still pending while the kill lands: not killed again
     assert killed == [("env-a", False)]  # Ray restarts it; its groups fail and are launched again
     assert "group 3 ran past --group-timeout-s 5" in printed[0]

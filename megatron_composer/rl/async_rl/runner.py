@@ -123,6 +123,7 @@ class AsyncRLRunner:
                                   wandb_name=args.wandb_exp_name, wandb_dir=args.wandb_save_dir)
         self.history: list[dict] = []
         self.eval_history: list[dict] = []
+        self.expired: set = set()  # group refs whose worker was killed for running past the timeout
         self.job = f"{os.getpid()}-{int(time.time())}"  # tells this job's rows in the step log from a resumed one's
         self.log.print(f"> async RL: {world} trainer rank(s), {len(self.inference)} inference worker(s), "
                        f"{len(self.envs)} environment worker(s), evaluator {'on' if self.evaluator else 'off'}; "
@@ -274,7 +275,8 @@ class AsyncRLRunner:
         """Groups past --group-timeout-s: their worker is killed (Ray restarts it) and they are relaunched."""
         now, limit = time.monotonic(), self.args.group_timeout_s
         for ref, (gid, env, launched) in list(pending.items()):
-            if now - launched > limit:
+            if now - launched > limit and ref not in self.expired:
+                self.expired.add(ref)
                 self.log.print(f" group {gid} ran past --group-timeout-s {limit:g}: restarting its worker")
                 self.ray.kill(env, no_restart=False)  # its other groups fail and come back too
 
