@@ -1,9 +1,10 @@
 """Asynchronous vs synchronous RL on the same machine, same groups, long-tailed rollout lengths.
 
-    python benchmarks/async_rl.py [--steps 6] [--prompts-per-step 2] [--group-size 4] [--max-new-tokens 96]
+    python benchmarks/async_rl.py [--steps 12] [--prompts-per-step 2] [--group-size 4] [--max-new-tokens 96]
 
 Both runs are the Ray services of `rl/async_rl` on the tiny model (random
-init, single-turn task): the baseline (`--synchronous-rollouts`) samples one
+init, single-turn task, reward = correctness + a length penalty, so that
+every group has nonzero advantages and every step a real update): the baseline (`--synchronous-rollouts`) samples one
 step's groups only while the trainer waits, the way a synchronous RL loop
 does; the asynchronous run keeps `--max-inflight-groups` groups sampling
 while the trainer steps and swaps weights in flight (policy lag <= 2). Each
@@ -30,7 +31,9 @@ def run(mode: str, args, save: str) -> dict:
             "--group-size", str(args.group_size), "--max-new-tokens", str(args.max_new_tokens),
             "--lr", "1e-4", "--min-lr", "1e-4", "--lr-warmup-iters", "0", "--log-interval", "1",
             "--rollout-long-tail", str(args.tail), "--max-inflight-groups", str(2 * args.prompts_per_step),
-            "--max-policy-lag", "2", "--save", save, "--save-interval", "1000", "--seed", "7"]
+            "--max-policy-lag", "2", "--save", save, "--save-interval", "1000", "--seed", "7",
+            # the length penalty differs between samples of a group, so every step does a real update
+            "--reward", "correctness=1.0,length=0.1"]
     if mode == "synchronous":
         argv.append("--synchronous-rollouts")
     runner = AsyncRLRunner(argv)
@@ -42,7 +45,7 @@ def run(mode: str, args, save: str) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--steps", type=int, default=12)
     p.add_argument("--prompts-per-step", type=int, default=2)
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=96)
