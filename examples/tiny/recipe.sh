@@ -17,6 +17,10 @@ cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-runs/demo}
 CACHE=${DATA_CACHE_DIR:-data}
+if ! command -v bwrap >/dev/null 2>&1; then
+    echo "recipe.sh: the agent's sandbox needs bubblewrap; install it (apt-get install -y bubblewrap) and rerun" >&2
+    exit 2
+fi
 mkdir -p "$OUT/logs"
 started=$(date +%s)
 
