@@ -79,6 +79,7 @@ def test_one_async_round_trip_serves_the_trained_weights_exactly(data_dir, tmp_p
         assert os.path.basename(saved) == "iter_0000001"
         (ready,) = decode_state(read_extra_file(saved, TrainerWorker.BUFFER_FILE))["ready"]
         assert ready.samples[0].completion_ids == later.samples[0].completion_ids
+        _through_our_server(trainer, info, env)
     finally:
         inference.engine.stop()
         trainer.close()
@@ -123,3 +124,27 @@ def test_a_group_past_its_timeout_gets_its_worker_killed_for_a_restart():
     runner._expire(pending)  # still pending while the kill lands: not killed again
     assert killed == [("env-a", False)]  # Ray restarts it; its groups fail and are launched again
     assert "group 3 ran past --group-timeout-s 5" in printed[0]
+
+
+def _through_our_server(trainer, info, local_env):
+    """--rollout-server: an environment worker samples over HTTP from our server, which the driver's
+    ServerSync keeps on the published weights, bit for bit."""
+    from megatron_composer.inference.server import create_app
+    from megatron_composer.rl.async_rl.services import EnvWorker, ServerSync, build_engine
+    from tests.serving import serve
+
+    engine = build_engine(info["model_config"], max_model_len=info["seq_length"], max_batch_size=8,
+                          tokenizer=local_env.tokenizer)
+    with serve(create_app(engine, model_name="tiny")) as url:
+        sync = ServerSync(url)
+        assert sync.update_weights(trainer.snapshot()) and engine.version == 1
+        served = type("Served", (), {"engine": engine})
+        _served_equal_trainer_bf16(served, trainer.trainer)
+        spec = dataclasses.replace(local_env.spec, server_url=url)
+        group = EnvWorker(spec).run_group(11, 1)
+        assert [s.trajectory for s in group.samples] == [0, 1]
+        assert all(v == 1 for s in group.samples for v in s.policy_versions)
+        _, update = trainer.train_step([group, dataclasses.replace(group, group_id=12)])
+        assert sync.update_weights(update) and engine.version == 2
+        _served_equal_trainer_bf16(served, trainer.trainer)
+    engine.stop()

@@ -79,6 +79,9 @@ def build_rl_parser():
     g.add_argument("--trainer-ranks", type=int, default=1,
                    help="trainer actors, one torch.distributed rank each (data parallel)")
     g.add_argument("--inference-workers", type=int, default=1)
+    g.add_argument("--rollout-server", default=None,
+                   help="sample from this running server of ours (python -m megatron_composer.inference.server) "
+                        "instead of inference workers; each step's weights are pushed to it in flight")
     g.add_argument("--env-workers", type=int, default=1)
     g.add_argument("--group-timeout-s", type=float, default=600.0,
                    help="a group's rollouts taking longer are abandoned and the group relaunched")

@@ -37,7 +37,7 @@ from typing import Callable, Optional
 
 from ..arguments import parse_rl_args
 from .reconciler import Reconciler, decode_state, encode_state, token_lags
-from .services import EnvWorker, Evaluator, InferenceWorker, RemoteClient, RolloutSpec, TrainerWorker
+from .services import EnvWorker, Evaluator, InferenceWorker, RemoteClient, RolloutSpec, ServerSync, TrainerWorker
 
 STEP_LOG = "async_rl_steps.jsonl"
 SERVICES_FILE = "async_rl_services.json"  # which process is which service (pids, for operators and tests)
@@ -98,15 +98,20 @@ class AsyncRLRunner:
         info = ray.get(self.trainers[0].describe.remote())
         self.version, self.train_iters = info["iteration"], info["train_iters"]
         spec = RolloutSpec(rl, info["tokenizer_model"], info["seq_length"], info["seed"], info["tasks"],
-                           long_tail=args.rollout_long_tail)
+                           long_tail=args.rollout_long_tail, server_url=args.rollout_server)
         restart = {"num_cpus": 0, "max_restarts": -1, "max_task_retries": 0}
         infer_cls = ray.remote(**restart, **per_gpu)(InferenceWorker)
-        self.inference = [infer_cls.options(max_concurrency=4 * rl.group_size * rl.prompts_per_step + 8).remote(
-            info["model_config"], info["tokenizer_model"], max_model_len=info["seq_length"],
-            max_batch_size=rl.rollout_batch_size) for _ in range(args.inference_workers)]
+        if args.rollout_server:  # an external server of ours; the driver pushes its weights
+            self.inference = [ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)(ServerSync).options(
+                max_concurrency=1).remote(args.rollout_server)]
+        else:
+            self.inference = [infer_cls.options(max_concurrency=4 * rl.group_size * rl.prompts_per_step + 8).remote(
+                info["model_config"], info["tokenizer_model"], max_model_len=info["seq_length"],
+                max_batch_size=rl.rollout_batch_size) for _ in range(args.inference_workers)]
         env_cls = ray.remote(**restart)(EnvWorker)
         self.envs = [env_cls.options(max_concurrency=4 * rl.prompts_per_step + 4).remote(
-            spec, RemoteClient(self.inference[i % len(self.inference)], timeout_s=args.group_timeout_s))
+            spec, None if args.rollout_server else
+            RemoteClient(self.inference[i % len(self.inference)], timeout_s=args.group_timeout_s))
             for i in range(args.env_workers)]
         self.evaluator = None
         if rl.eval_tasks and rl.env == "agentic-coding":
@@ -178,7 +183,8 @@ class AsyncRLRunner:
         ray.get([t.prepare_save_dir.remote() for t in self.trainers])
         self.sync_all(self.subscribers())
         self.write_services()
-        ray.get([w.reset_stats.remote() for w in self.inference] + [t.start_clock.remote() for t in self.trainers])
+        ray.get([w.reset_stats.remote() for w in self.inference if not self.args.rollout_server] +
+                [t.start_clock.remote() for t in self.trainers])
         pending: dict = {}  # ObjectRef -> (group id, env worker, launch time)
         self.pushes: list = []  # (subscriber, ObjectRef of its update_weights)
         training = None  # (metrics ref, launch time) of the step in flight
@@ -239,9 +245,9 @@ class AsyncRLRunner:
         self.version += 1
         pushes = [(w, w.update_weights.remote(update_ref)) for w in self.subscribers()]
         wall = time.perf_counter() - started
-        stats = ray.get([w.stats.remote() for w in self.inference])
+        stats = [] if self.args.rollout_server else ray.get([w.stats.remote() for w in self.inference])
         busy = sum(s["busy seconds"] for s in stats) / max(1e-9, sum(s["wall seconds"] for s in stats))
-        generated = sum(s["generated tokens"] for s in stats)
+        generated = sum(s["generated tokens"] for s in stats)  # an external server's are its own metrics
         samples = (self.history[-1]["samples"] if self.history else 0) + self.rl.prompts_per_step * self.rl.group_size
         waited = (self.history[-1]["trainer waited"] if self.history else 0.0) + metrics["trainer wait seconds"]
         row = dict(metrics, iteration=self.version, samples=samples, wall=wall,

@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 import torch
 
 from .reconciler import Group
-from .weight_sync import WeightPublisher, WeightSubscriber, WeightUpdate
+from .weight_sync import WeightPublisher, WeightSubscriber, WeightUpdate, bit_view
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -242,15 +242,21 @@ class RolloutSpec:
     tasks: int
     split: str = "train"
     long_tail: Optional[float] = None  # single-turn benchmark: Pareto shape of per-sample lengths, no stop
+    server_url: Optional[str] = None  # an external OpenAI-compatible server instead of our inference workers
 
 
 class EnvWorker:
     """Runs whole groups against an inference client (module docstring)."""
 
-    def __init__(self, spec: RolloutSpec, client, threads: int = 1):
+    def __init__(self, spec: RolloutSpec, client=None, threads: int = 1):
+        """`client`: a `RolloutClient` (an inference worker's `RemoteClient`); None: HTTP to spec.server_url."""
         _threads(threads)
         from ...data.tokenizer import Tokenizer
 
+        if client is None:
+            from ...inference.client import HTTPRolloutClient
+
+            client = HTTPRolloutClient(spec.server_url, max_concurrency=max(8, 4 * spec.rl.group_size))
         self.spec, self.client, self.rl = spec, client, spec.rl
         self.tokenizer = Tokenizer(spec.tokenizer_model)
         if self.rl.env == "agentic-coding":
@@ -365,3 +371,49 @@ class Evaluator(InferenceWorker):
         return {"iteration": version, "eval solved": sum(r.verdict["all_pass"] for r in results) / n,
                 "eval correctness": sum(r.verdict["correctness"] for r in results) / n,
                 "eval turns": sum(r.trajectory.counts.turns for r in results) / n, "eval tasks": float(len(results))}
+
+
+class ServerSync:
+    """Weight sync to an external server of ours (`python -m megatron_composer.inference.server`).
+
+    The server takes sparse deltas over HTTP ({name: {"indices", "values"}}, POST /v1/weights). This
+    subscriber rebuilds each published version (bit-exact, as an inference worker does), sends the
+    elements that differ from what the server holds, and the first time every element, so that the
+    server then serves exactly the published bf16 weights. vLLM and SGLang load weights from a
+    checkpoint in their own format instead; they are refused here with that said.
+    """
+
+    def __init__(self, url: str):
+        from ...inference.client import HTTPRolloutClient
+
+        self.client = HTTPRolloutClient(url)
+        if self.client.flavor != "megatron-composer":
+            raise ValueError(f"--rollout-server {url} is a {self.client.flavor} server, which loads weights "
+                             f"from a checkpoint in its own format; in-flight pushes of each step's weights go "
+                             f"to our server (python -m megatron_composer.inference.server --load ...)")
+        self.subscriber = WeightSubscriber()
+        self.sent: dict[str, torch.Tensor] = {}
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def version(self) -> Optional[int]:
+        return self.subscriber.version
+
+    def update_weights(self, update: WeightUpdate) -> bool:
+        if self.subscriber.version is not None and update.version <= self.subscriber.version:
+            return True
+        try:
+            state = self.subscriber.apply(update)
+        except ValueError:
+            return False
+        delta = {}
+        for name, t in state.items():
+            flat, old = t.reshape(-1), self.sent.get(name)
+            changed = torch.arange(flat.numel()) if old is None else (bit_view(flat) != bit_view(old)).nonzero()[:, 0]
+            if changed.numel():
+                delta[name] = {"indices": changed, "values": flat[changed].float()}
+        if delta:
+            self.client.update_weights(delta, version=update.version)
+        self.sent = {n: t.reshape(-1).clone() for n, t in state.items()}
+        return True
