@@ -187,7 +187,7 @@ class AsyncRLRunner:
                 [t.start_clock.remote() for t in self.trainers])
         pending: dict = {}  # ObjectRef -> (group id, env worker, launch time)
         self.pushes: list = []  # (subscriber, ObjectRef of its update_weights)
-        training = None  # (metrics ref, launch time) of the step in flight
+        training = None  # (metrics ref, weights-update ref, token lags, launch time) of the step in flight
         evals: list = []
         started = time.perf_counter()
         evaluated = None  # the version last sent for evaluation
