@@ -245,7 +245,12 @@ class AsyncRLRunner:
         self.version += 1
         pushes = [(w, w.update_weights.remote(update_ref)) for w in self.subscribers()]
         wall = time.perf_counter() - started
-        stats = [] if self.args.rollout_server else ray.get([w.stats.remote() for w in self.inference])
+        stats = []
+        for w in [] if self.args.rollout_server else self.inference:
+            try:
+                stats.append(ray.get(w.stats.remote(), timeout=60))
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                pass  # restarting: its counts start again from zero when it is back
         busy = sum(s["busy seconds"] for s in stats) / max(1e-9, sum(s["wall seconds"] for s in stats))
         generated = sum(s["generated tokens"] for s in stats)  # an external server's are its own metrics
         samples = (self.history[-1]["samples"] if self.history else 0) + self.rl.prompts_per_step * self.rl.group_size
