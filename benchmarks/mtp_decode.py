@@ -3,7 +3,7 @@
     python benchmarks/mtp_decode.py [--self-distilled runs/tiny/mtp_self-distill] [--ce runs/tiny/mtp_ce]
                                     [--prompts 8] [--prompt-len 64] [--new-tokens 64] [--repeats 3] [--threads N]
 
-The checkpoints are the tiny demo trunk (`make demo`, runs/tiny/cpt_32k) with
+The checkpoints are the tiny demo trunk (`make demo-cpt`, runs/tiny/cpt_32k) with
 its MTP layer trained on the frozen trunk by `examples/tiny/mtp_distill.sh`,
 once by self-distillation toward the main head and once by cross-entropy on
 the token two ahead; the trunk is the same in both.
@@ -123,7 +123,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     for flag, path in (("--self-distilled", args.self_distilled), ("--ce", args.ce)):
         if not os.path.exists(os.path.join(path, "latest_checkpointed_iteration.txt")):
-            raise SystemExit(f"{flag} {path}: no checkpoint there; run `make demo` and then "
+            raise SystemExit(f"{flag} {path}: no checkpoint there; run `make demo-cpt` and then "
                              f"`bash examples/tiny/mtp_distill.sh {'ce' if flag == '--ce' else 'self-distill'}`")
 
     from megatron_composer.inference.engine import Engine

@@ -19,7 +19,7 @@ case "$KIND" in
     *) echo "mtp_distill.sh: loss kind '$KIND'; use self-distill or ce" >&2; exit 2 ;;
 esac
 if [ ! -f "$OUT/cpt_32k/latest_checkpointed_iteration.txt" ]; then
-    echo "mtp_distill.sh: no trunk at $OUT/cpt_32k; run examples/tiny/cpt_32k.sh (make demo) first" >&2
+    echo "mtp_distill.sh: no trunk at $OUT/cpt_32k; run examples/tiny/cpt_32k.sh (make demo-cpt) first" >&2
     exit 2
 fi
 
