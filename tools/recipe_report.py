@@ -84,6 +84,13 @@ def _plots(run_dir: str, losses: dict, rows: list[dict], evals: list, accept: di
     import matplotlib.pyplot as plt
 
     files = []
+
+    def save(fig, name):
+        fig.tight_layout()
+        fig.savefig(os.path.join(run_dir, name), dpi=90)
+        plt.close(fig)
+        files.append(name)
+
     fig, ax = plt.subplots(figsize=(6.5, 3.6))
     offset = 0
     for name, label in STAGES:
@@ -94,10 +101,7 @@ def _plots(run_dir: str, losses: dict, rows: list[dict], evals: list, accept: di
     ax.set_xlabel("optimizer step (stages one after another)")
     ax.set_ylabel("lm loss (MTP stage: mtp loss)")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    files.append("report_loss.png")
-    fig.savefig(os.path.join(run_dir, files[-1]), dpi=90)
-    plt.close(fig)
+    save(fig, "report_loss.png")
 
     fig, ax = plt.subplots(figsize=(6.5, 3.6))
     if rows:
@@ -108,20 +112,14 @@ def _plots(run_dir: str, losses: dict, rows: list[dict], evals: list, accept: di
         ax.plot([e[0] for e in evals], [e[2] for e in evals], "^--", label="held-out tests passing (greedy)")
     ax.set_xlabel("asynchronous RL step")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    files.append("report_reward.png")
-    fig.savefig(os.path.join(run_dir, files[-1]), dpi=90)
-    plt.close(fig)
+    save(fig, "report_reward.png")
 
     fig, ax = plt.subplots(figsize=(6.5, 3.0))
     names = [n for n in accept if accept[n] is not None]
     ax.bar(names, [accept[n] for n in names])
     ax.set_ylabel("MTP draft acceptance (T=1)")
     ax.set_ylim(0, 1)
-    fig.tight_layout()
-    files.append("report_acceptance.png")
-    fig.savefig(os.path.join(run_dir, files[-1]), dpi=90)
-    plt.close(fig)
+    save(fig, "report_acceptance.png")
     return files
 
 

@@ -80,6 +80,52 @@ def episode_samples(results, groups: list[int], group_size: int, tokenizer) -> l
     return samples
 
 
+def agent_config(rl: RLConfig, max_len: int, *, routed_experts: bool, **overrides):
+    """The `agent.AgentConfig` of train_rl.py's flags for a context of `max_len` tokens."""
+    from .agent import AgentConfig
+
+    config = AgentConfig(max_turns=rl.max_turns, max_turn_tokens=rl.max_new_tokens, max_context_tokens=max_len,
+                         max_total_tokens=rl.token_budget, max_observation_tokens=rl.max_observation_tokens,
+                         summary_trigger_tokens=rl.summary_trigger_tokens, max_summaries=rl.max_summaries,
+                         summary_max_tokens=rl.summary_max_tokens, temperature=rl.temperature, top_p=rl.top_p,
+                         return_routed_experts=routed_experts)
+    return dataclasses.replace(config, **overrides)
+
+
+def fitting_prompts(rl: RLConfig, task, tokenizer, max_len: int) -> list:
+    """(prompt, rendered ids) of the single-turn task's prompts that leave room for a completion."""
+    room = max_len - rl.max_new_tokens
+    fitting = []
+    for prompt in task.prompts():
+        ids = render_chat(list(prompt.messages), tokenizer, add_generation_prompt=True)[0]
+        if len(ids) <= room:
+            fitting.append((prompt, ids))
+    if not fitting:
+        raise ValueError(f"no {rl.task} prompt fits --seq-length {max_len} with --max-new-tokens "
+                         f"{rl.max_new_tokens}; raise --seq-length or lower --max-new-tokens")
+    return fitting
+
+
+def fitting_tasks(rl: RLConfig, env, agent, max_len: int) -> list:
+    """The env's tasks whose first prompt leaves room for a turn (each is a group's task)."""
+    room = max_len - rl.max_new_tokens
+    fitting = [t for t in env.tasks() if len(agent.segment_prompt(
+        system_prompt(env.tool_names), t.instruction, None)) <= room]
+    if not fitting:
+        raise ValueError(f"no {','.join(env.families)} task fits --seq-length {max_len} with --max-new-tokens "
+                         f"{rl.max_new_tokens}; raise --seq-length or lower --max-new-tokens")
+    return fitting
+
+
+def completion_sample(group: int, trajectory: int, completion, tokenizer, task, prompt) -> RolloutSample:
+    """One single-turn completion as a sample, scored by `task.verify` on its text (stop tokens dropped)."""
+    tok = tokenizer
+    text = tok.decode([t for t in known_ids(tok, completion.token_ids) if t not in (tok.chat["end"], tok.eod)])
+    return RolloutSample(group, completion.prompt_token_ids, completion.token_ids, completion.logprobs,
+                         completion.routed_experts, completion.policy_versions, completion.finish_reason, text,
+                         rewards=task.verify(prompt, text), trajectory=trajectory)
+
+
 class RLTrainer(Trainer):
     """The Trainer with rollouts from a colocated engine as its data and the policy loss as its objective."""
 
@@ -106,21 +152,16 @@ class RLTrainer(Trainer):
                              max_model_len=max_len)
         self.env = self.agent = None
         if rl.env == "agentic-coding":
-            from .agent import Agent, AgentConfig
+            from .agent import Agent
             from .agentic import AgenticCodingEnv
 
             self.sandbox_kwargs = {"timeout_s": rl.sandbox_timeout_s}
             self.env = AgenticCodingEnv(rl.families, split="train", sandbox_kwargs=self.sandbox_kwargs)
-            self.agent_config = AgentConfig(
-                max_turns=rl.max_turns, max_turn_tokens=rl.max_new_tokens, max_context_tokens=max_len,
-                max_total_tokens=rl.token_budget, max_observation_tokens=rl.max_observation_tokens,
-                summary_trigger_tokens=rl.summary_trigger_tokens, max_summaries=rl.max_summaries,
-                summary_max_tokens=rl.summary_max_tokens, temperature=rl.temperature, top_p=rl.top_p,
-                return_routed_experts=self.replay is not None)
+            self.agent_config = agent_config(rl, max_len, routed_experts=self.replay is not None)
             self.agent = Agent(self.engine, tokenizer, self.agent_config)
-            self.prompts = self._fitting_tasks(self.env, max_len)
+            self.prompts = fitting_tasks(rl, self.env, self.agent, max_len)
         else:
-            self.prompts = self._fitting_prompts(max_len)
+            self.prompts = fitting_prompts(rl, self.task, tokenizer, max_len)
         self.linear_cost, self.quadratic_cost = attention_costs(model_cfg)
         self.reference = None
         self.reference_path: Optional[str] = cfg.checkpoint.load
@@ -139,28 +180,6 @@ class RLTrainer(Trainer):
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self.reference_path = state.get("rl_reference", self.reference_path)
-
-    def _fitting_prompts(self, max_len: int) -> list:
-        room = max_len - self.rl.max_new_tokens
-        fitting = []
-        for prompt in self.task.prompts():
-            ids = render_chat(list(prompt.messages), self.tokenizer, add_generation_prompt=True)[0]
-            if len(ids) <= room:
-                fitting.append((prompt, ids))
-        if not fitting:
-            raise ValueError(f"no {self.rl.task} prompt fits --seq-length {max_len} with --max-new-tokens "
-                             f"{self.rl.max_new_tokens}; raise --seq-length or lower --max-new-tokens")
-        return fitting
-
-    def _fitting_tasks(self, env, max_len: int) -> list:
-        """The env's tasks whose first prompt leaves room for a turn (each is a group's task)."""
-        room = max_len - self.rl.max_new_tokens
-        fitting = [t for t in env.tasks() if len(self.agent.segment_prompt(
-            system_prompt(env.tool_names), t.instruction, None)) <= room]
-        if not fitting:
-            raise ValueError(f"no {','.join(env.families)} task fits --seq-length {max_len} with --max-new-tokens "
-                             f"{self.rl.max_new_tokens}; raise --seq-length or lower --max-new-tokens")
-        return fitting
 
     def build_reference(self) -> None:
         """The frozen reference model for the KL: the weights RL started from."""
@@ -239,13 +258,8 @@ class RLTrainer(Trainer):
             self.engine.step()
         samples = []
         for g, prompt, handle in handles:
-            out = handle.result()
-            text = tok.decode([t for t in known_ids(tok, out.token_ids) if t not in (tok.chat["end"], tok.eod)])
-            sample = RolloutSample(g, out.prompt_token_ids, out.token_ids, out.logprobs, out.routed_experts,
-                                   out.policy_versions, out.finish_reason, text)
-            sample.rewards = self.task.verify(prompt, text)
-            sample.trajectory = g * rl.group_size + len([s for s in samples if s.group == g])
-            samples.append(sample)
+            index = len([s for s in samples if s.group == g])
+            samples.append(completion_sample(g, g * rl.group_size + index, handle.result(), tok, self.task, prompt))
         self.model.train()
         return self._gather(samples)
 

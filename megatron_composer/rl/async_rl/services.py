@@ -260,24 +260,21 @@ class EnvWorker:
         self.spec, self.client, self.rl = spec, client, spec.rl
         self.tokenizer = Tokenizer(spec.tokenizer_model)
         if self.rl.env == "agentic-coding":
-            from ..agent import Agent, system_prompt
+            from ..agent import Agent
             from ..agentic import AgenticCodingEnv
+            from ..trainer import agent_config, fitting_tasks
 
             self.sandbox_kwargs = {"timeout_s": self.rl.sandbox_timeout_s}
             self.env = AgenticCodingEnv(self.rl.families, split=spec.split, sandbox_kwargs=self.sandbox_kwargs)
-            self.agent = Agent(client, self.tokenizer, agent_config(self.rl, spec.seq_length))
-            room = spec.seq_length - self.rl.max_new_tokens
-            self.pool = [t for t in self.env.tasks() if len(self.agent.segment_prompt(
-                system_prompt(self.env.tool_names), t.instruction, None)) <= room]
+            self.agent = Agent(client, self.tokenizer, agent_config(self.rl, spec.seq_length,
+                                                                    routed_experts=self.rl.router_replay))
+            self.pool = fitting_tasks(self.rl, self.env, self.agent, spec.seq_length)
         else:
-            from ...data.sft import render_chat
             from ..tasks import get_task
+            from ..trainer import fitting_prompts
 
             self.task = get_task(self.rl.task)
-            room = spec.seq_length - self.rl.max_new_tokens
-            rendered = [(p, render_chat(list(p.messages), self.tokenizer, add_generation_prompt=True)[0])
-                        for p in self.task.prompts()]
-            self.pool = [(p, ids) for p, ids in rendered if len(ids) <= room]
+            self.pool = fitting_prompts(self.rl, self.task, self.tokenizer, spec.seq_length)
         if len(self.pool) != spec.tasks:
             raise RuntimeError(f"internal: this environment worker sees {len(self.pool)} tasks, the trainer "
                                f"{spec.tasks}")
@@ -305,8 +302,7 @@ class EnvWorker:
         import concurrent.futures
 
         from ...inference import SamplingParams
-        from ..agent import known_ids
-        from ..batches import RolloutSample
+        from ..trainer import completion_sample
 
         rl, tok = self.rl, self.tokenizer
         prompt, ids = task
@@ -324,24 +320,7 @@ class EnvWorker:
                   for n, s in zip(lengths, seeds)]
         with concurrent.futures.ThreadPoolExecutor(len(params)) as pool:  # one batch in the engine
             outs = list(pool.map(lambda p: self.client.generate([ids], p)[0], params))
-        samples = []
-        for i, out in enumerate(outs):
-            text = tok.decode([t for t in known_ids(tok, out.token_ids) if t not in (tok.chat["end"], tok.eod)])
-            samples.append(RolloutSample(group_id, out.prompt_token_ids, out.token_ids, out.logprobs,
-                                         out.routed_experts, out.policy_versions, out.finish_reason, text,
-                                         rewards=self.task.verify(prompt, text), trajectory=i))
-        return samples
-
-
-def agent_config(rl, seq_length: int, **overrides):
-    from ..agent import AgentConfig
-
-    config = AgentConfig(max_turns=rl.max_turns, max_turn_tokens=rl.max_new_tokens, max_context_tokens=seq_length,
-                         max_total_tokens=rl.token_budget, max_observation_tokens=rl.max_observation_tokens,
-                         summary_trigger_tokens=rl.summary_trigger_tokens, max_summaries=rl.max_summaries,
-                         summary_max_tokens=rl.summary_max_tokens, temperature=rl.temperature, top_p=rl.top_p,
-                         return_routed_experts=rl.router_replay)
-    return dataclasses.replace(config, **overrides)
+        return [completion_sample(group_id, i, out, tok, self.task, prompt) for i, out in enumerate(outs)]
 
 
 class Evaluator(InferenceWorker):
@@ -352,12 +331,13 @@ class Evaluator(InferenceWorker):
                          max_batch_size=max(1, spec.rl.episode_workers), threads=threads)
         from ..agent import Agent
         from ..agentic import AgenticCodingEnv
+        from ..trainer import agent_config
 
         rl = spec.rl
         self.env = AgenticCodingEnv(rl.families, split="eval", count=count,
                                     sandbox_kwargs={"timeout_s": rl.sandbox_timeout_s})
-        self.agent = Agent(self.engine, self.tokenizer, agent_config(rl, spec.seq_length, temperature=0.0,
-                                                                     return_routed_experts=False))
+        self.agent = Agent(self.engine, self.tokenizer, agent_config(rl, spec.seq_length, routed_experts=False,
+                                                                     temperature=0.0))
         self.workers = rl.episode_workers
 
     def evaluate(self) -> dict:
