@@ -154,6 +154,24 @@ class Segment:
 
 
 @dataclasses.dataclass
+class Turn:
+    """One model message of a trajectory: where its generated ids lie and what came of it.
+
+    segment: index into `Trajectory.segments`; start, end: the message's generated ids are
+    `completion_ids[start:end]` of that segment (the ids before `start` end with <|assistant|>).
+    """
+
+    segment: int
+    start: int
+    end: int
+    text: str  # decoded, stop token excluded
+    kind: str = "action"  # "action" (answers the task) or "summary"
+    events: list[ToolEvent] = dataclasses.field(default_factory=list)
+    observation: str = ""  # the tool responses it got back
+    thinking_tokens: int = 0  # generated tokens outside call blocks (stop token included)
+
+
+@dataclasses.dataclass
 class Trajectory:
     """One rollout of the agent on one task."""
 
@@ -164,6 +182,8 @@ class Trajectory:
     final_message: Optional[str]
     summaries: list[str]
     generated_tokens: int
+    turns: list[Turn] = dataclasses.field(default_factory=list)
+    tool_names: tuple = tuple(TOOLS)  # the tools offered
 
     @property
     def finished(self) -> bool:
@@ -257,7 +277,7 @@ class Agent:
         cfg, tok = self.config, self.tok
         system = system_prompt(toolset.names) if system is None else system
         segment = Segment(self.segment_prompt(system, instruction, None))
-        segments, events, summaries = [segment], [], []
+        segments, events, summaries, turns = [segment], [], [], []
         counter = _Counter()
         generated = calls = 0
         summary_request = self._user_turn(SUMMARY_PROMPT, cfg.max_observation_tokens)
@@ -288,9 +308,11 @@ class Agent:
                 out = self._generate(segment.ids, max_tokens, seed * 1_000_003 + calls)
                 calls += 1
                 segment.record_routes(out.routed_experts)
+                start = len(segment.completion_ids)
                 segment.append(out.token_ids, trained=True, logprobs=out.logprobs, versions=out.policy_versions)
                 generated += len(out.token_ids)
                 summary = counter.generated(tok, out.token_ids, self.stop_ids).strip()
+                turns.append(Turn(len(segments) - 1, start, start + len(out.token_ids), summary, "summary"))
                 segment.summary = summary
                 summaries.append(summary)
                 segment = Segment(self.segment_prompt(system, instruction, summary))
@@ -304,9 +326,13 @@ class Agent:
             calls += 1
             counter.turns += 1
             segment.record_routes(out.routed_experts)
+            start, thinking = len(segment.completion_ids), counter.thinking
             segment.append(out.token_ids, trained=True, logprobs=out.logprobs, versions=out.policy_versions)
             generated += len(out.token_ids)
             text = counter.generated(tok, out.token_ids, self.stop_ids)
+            record = Turn(len(segments) - 1, start, start + len(out.token_ids), text,
+                          thinking_tokens=counter.thinking - thinking)
+            turns.append(record)
             if not out.token_ids or out.token_ids[-1] not in self.stop_ids:
                 segment.append([tok.chat["end"]], trained=False)  # the turn was cut: close it
                 counter.tool_output += 1
@@ -315,6 +341,7 @@ class Agent:
                     break
             turn = toolset.respond(text)
             events += turn.events
+            record.events, record.observation = list(turn.events), turn.observation
             if turn.finished:
                 final_message = turn.final_message
                 stop = "finish" if any(e.name == "finish" and e.ok for e in turn.events) else "no_tool_call"
@@ -329,4 +356,5 @@ class Agent:
             observation = self._user_turn(turn.observation, min(cfg.max_observation_tokens, body_room))
             segment.append(observation, trained=False)
             counter.tool_output += len(observation)
-        return Trajectory(segments, events, counter.effort(), stop, final_message, summaries, generated)
+        return Trajectory(segments, events, counter.effort(), stop, final_message, summaries, generated, turns,
+                          tuple(toolset.names))

@@ -64,6 +64,28 @@ def build_rl_parser():
                    help="held-out tasks solved greedily before the first step, every --eval-interval steps "
                         "and at the end")
 
+    g = p.add_argument_group("textual feedback (--feedback-rules; agentic environment)")
+    g.add_argument("--feedback-rules", default=d.feedback_rules,
+                   help="comma list of hint rules (rl/feedback.py: unknown_tool, malformed_call, failing_test, "
+                        "unfinished_todo, thinking_in_comments, long_thought, judge) or package.module:function; "
+                        "default: no feedback")
+    g.add_argument("--feedback-coef", type=float, default=d.feedback_coef,
+                   help="weight of the feedback KL beside the policy loss (0: only count the rules' hints)")
+    g.add_argument("--feedback-kl", choices=("forward", "reverse"), default=d.feedback_kl,
+                   help="KL(teacher || student) or KL(student || teacher) on the hinted message's tokens")
+    g.add_argument("--feedback-kl-topk", type=int, default=d.feedback_kl_topk,
+                   help="compare the teacher's top K tokens and the rest of its mass (0: full vocabulary)")
+    g.add_argument("--feedback-teacher", choices=("current", "lagged"), default=d.feedback_teacher,
+                   help="the teacher's weights: the current policy, or a copy refreshed every "
+                        "--feedback-teacher-lag steps")
+    g.add_argument("--feedback-teacher-lag", type=int, default=d.feedback_teacher_lag)
+    g.add_argument("--feedback-hint-role", choices=("user", "system"), default=d.feedback_hint_role,
+                   help="the inserted note's chat role")
+    g.add_argument("--feedback-judge-url", default=d.feedback_judge_url,
+                   help="the rule judge asks this server of ours to write hints (default: the policy's engine)")
+    g.add_argument("--feedback-long-thought-tokens", type=int, default=d.feedback_long_thought_tokens,
+                   help="long_thought fires on a message with more tokens of prose than this before its call")
+
     g = p.add_argument_group("asynchronous RL on Ray (--async-rl)")
     g.add_argument("--async-rl", action="store_true",
                    help="run trainer, inference, environment and evaluation as Ray services (rl/async_rl)")

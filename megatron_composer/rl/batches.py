@@ -46,6 +46,7 @@ class RolloutSample:
     loss_mask: Optional[list[int]] = None  # per completion token, 1: generated (trained); None: all
     effort: Optional[object] = None  # rewards.EffortCounts of its trajectory (None: one turn of completion_ids)
     info: dict = dataclasses.field(default_factory=dict)  # per-trajectory metrics (agentic: turns, summaries, ...)
+    hints: list = dataclasses.field(default_factory=list)  # feedback.Hint on its messages (textual feedback)
 
     @property
     def length(self) -> int:
@@ -65,14 +66,18 @@ class RLBatch(Batch):
     sampler_logp: Optional[torch.Tensor] = None  # [1, T] float32
     routed_experts: Optional[torch.Tensor] = None  # [1, T, moe layers, topk] int32, -1: not recorded
     ref_logp: Optional[torch.Tensor] = None  # [1, T] float32, filled by the loop when KL needs it
+    feedback_rows: Optional[torch.Tensor] = None  # [1, T] int64: row of feedback_table, -1: no target
+    feedback_table: Optional[object] = None  # feedback_loss.FeedbackTable of the target positions
     normalizer_share: float = 0.0
 
-    PAD_VALUES: ClassVar[dict] = {"advantages": 0.0, "sampler_logp": 0.0, "routed_experts": -1, "ref_logp": 0.0}
+    PAD_VALUES: ClassVar[dict] = {"advantages": 0.0, "sampler_logp": 0.0, "routed_experts": -1, "ref_logp": 0.0,
+                                  "feedback_rows": -1}
 
     def to(self, device, non_blocking: bool = True) -> "RLBatch":
         moved = super().to(device, non_blocking)
         extra = {name: getattr(self, name).to(device, non_blocking=non_blocking)
-                 for name in ("advantages", "sampler_logp", "routed_experts", "ref_logp")
+                 for name in ("advantages", "sampler_logp", "routed_experts", "ref_logp", "feedback_rows",
+                              "feedback_table")
                  if getattr(self, name) is not None}
         return dataclasses.replace(moved, **extra)
 

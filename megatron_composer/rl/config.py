@@ -48,6 +48,16 @@ class RLConfig:
     sandbox_timeout_s: float = 10.0
     eval_tasks: int = 0  # held-out tasks evaluated (greedy) before the first step, every eval_interval, at the end
     eval_interval: int = 0
+    # textual feedback (rl/feedback.py, rl/feedback_loss.py): rules "" = off
+    feedback_rules: str = ""
+    feedback_coef: float = 0.1  # 0: the rules only count the mistakes (no teacher, no loss)
+    feedback_kl: str = "reverse"
+    feedback_kl_topk: int = 0  # 0: the full vocabulary
+    feedback_teacher: str = "current"
+    feedback_teacher_lag: int = 10  # steps between refreshes of the lagged teacher
+    feedback_hint_role: str = "user"
+    feedback_judge_url: Optional[str] = None
+    feedback_long_thought_tokens: int = 64
 
     def __post_init__(self):
         for name in ("group_size", "prompts_per_step", "max_new_tokens", "micro_batch_tokens", "rollout_batch_size"):
@@ -83,8 +93,32 @@ class RLConfig:
 
         parse_reward_weights(self.reward)
         LengthPenaltyConfig(k=self.length_penalty_k, q=self.length_penalty_q)
+        self._check_feedback()
         if not 0 <= self.replay_plausibility_threshold <= 1:
             raise ValueError(f"--replay-plausibility-threshold {self.replay_plausibility_threshold}; use [0, 1]")
+
+    def _check_feedback(self) -> None:
+        if not self.feedback_rules:
+            return
+        from .feedback import HINT_ROLES, resolve_rules
+        from .feedback_loss import KL_DIRECTIONS, TEACHERS
+
+        if self.env != "agentic-coding":
+            raise ValueError("--feedback-rules reads agent trajectories; use it with --env agentic-coding")
+        for flag, value, allowed in (("--feedback-kl", self.feedback_kl, KL_DIRECTIONS),
+                                     ("--feedback-teacher", self.feedback_teacher, TEACHERS),
+                                     ("--feedback-hint-role", self.feedback_hint_role, HINT_ROLES)):
+            if value not in allowed:
+                raise ValueError(f"{flag} {value!r}; use one of {', '.join(allowed)}")
+        for flag, value in (("--feedback-coef", self.feedback_coef), ("--feedback-kl-topk", self.feedback_kl_topk)):
+            if not value >= 0:
+                raise ValueError(f"{flag} {value} must be >= 0")
+        if self.feedback_teacher_lag < 1 or self.feedback_long_thought_tokens < 1:
+            raise ValueError(f"--feedback-teacher-lag {self.feedback_teacher_lag} and "
+                             f"--feedback-long-thought-tokens {self.feedback_long_thought_tokens} must be >= 1")
+        # names only (the judge's client comes later)
+        names = [n for n in self.feedback_rules.split(",") if n.strip() and n.strip() != "judge"]
+        resolve_rules(",".join(names), long_thought_tokens=self.feedback_long_thought_tokens)
 
     @property
     def families(self) -> tuple:

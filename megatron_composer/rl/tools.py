@@ -412,10 +412,11 @@ class ToolSet:
             response, event = self.execute(block.call)
             events.append(event)
             if event.name == "finish" and event.ok:
-                open_items = self.open_todo_items()
+                open_items = [t["text"] for t in self.todo_items if not t["done"]]
                 if open_items:
+                    listed = "; ".join(repr(t[:80]) for t in open_items[:5])
                     events.append(ToolEvent("finish", None, False, "unfinished_todo",
-                                            f"{open_items} to-do items are open at finish"))
+                                            f"{len(open_items)} to-do items are open at finish: {listed}"))
                 return ToolTurn("\n".join(responses), events, True, block.call.arguments["message"])
             responses.append(render_tool_response(block.call.name, response))
         return ToolTurn("\n".join(responses), events)

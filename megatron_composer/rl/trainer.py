@@ -44,6 +44,8 @@ from ..training.trainer import Trainer, TrainingData
 from .algorithms import default_normalizer, group_advantages, kl_estimate, kl_penalized_rewards
 from .batches import RolloutSample, pack_samples
 from .config import RLConfig
+from .feedback import attach_hints, build_rules, feedback_metrics
+from .feedback_loss import FeedbackLoss, FeedbackTeacher, TeacherWeights
 from .loss import PolicyLoss
 from .packing import attention_costs, plan_step
 from .rewards import REWARD_TERMS, EffortCounts, LengthPenaltyConfig, length_term, parse_reward_weights, score
@@ -61,9 +63,11 @@ class _Scored:
         self.effort_counts = sample.effort or EffortCounts(final_message_tokens=len(sample.completion_ids), turns=1)
 
 
-def episode_samples(results, groups: list[int], group_size: int, tokenizer) -> list[RolloutSample]:
+def episode_samples(results, groups: list[int], group_size: int, tokenizer, rules: Optional[dict] = None,
+                    hint_role: str = "user") -> list[RolloutSample]:
     """Agent episodes (`agentic.EpisodeResult`, in group order, `group_size` per group; `groups[j]` is
-    result j's group) as training samples: one per segment of each trajectory."""
+    result j's group) as training samples: one per segment of each trajectory, with the feedback
+    `rules`' hints on the segments they target."""
     samples, seen = [], {}
     for result, g in zip(results, groups):
         i = seen[g] = seen.get(g, -1) + 1
@@ -77,6 +81,8 @@ def episode_samples(results, groups: list[int], group_size: int, tokenizer) -> l
                 g, seg.prompt_ids, seg.completion_ids, seg.logprobs, seg.padded_routes(), seg.policy_versions,
                 traj.stop_reason, traj.final_message or "", rewards=dict(result.verdict),
                 trajectory=g * group_size + i, loss_mask=seg.trained, effort=traj.counts, info=info))
+        if rules:
+            attach_hints(traj, samples[len(samples) - len(traj.segments):], rules, tokenizer, hint_role)
     return samples
 
 
@@ -162,6 +168,7 @@ class RLTrainer(Trainer):
             self.prompts = fitting_tasks(rl, self.env, self.agent, max_len)
         else:
             self.prompts = fitting_prompts(rl, self.task, tokenizer, max_len)
+        self._setup_feedback()
         self.linear_cost, self.quadratic_cost = attention_costs(model_cfg)
         self.reference = None
         self.reference_path: Optional[str] = cfg.checkpoint.load
@@ -169,6 +176,23 @@ class RLTrainer(Trainer):
         self.checkpoint_files: dict[str, bytes] = {}  # saved inside every checkpoint (async RL: the buffer)
         self.history: list[dict] = []
         self.eval_history: list[dict] = []
+
+    def _setup_feedback(self) -> None:
+        """Textual feedback (`--feedback-rules`): the rules, and with a coefficient the teacher and the loss."""
+        rl = self.rl
+        self.feedback_rules = build_rules(rl, client=self.engine, tokenizer=self.tokenizer)
+        self.feedback_teacher = None
+        if not (self.feedback_rules and rl.feedback_coef):
+            return
+        if self.cp_size > 1:
+            raise ValueError(f"--feedback-rules with a coefficient needs whole teacher contexts on a rank; "
+                             f"--context-parallel-size {self.cp_size} splits them; use 1, or --feedback-coef 0 "
+                             "to count the mistakes only")
+        self.loss_plugins.insert(1, FeedbackLoss(rl.feedback_kl, rl.feedback_coef))
+        build_copy = lambda: build_model(self.model_cfg, self.layout, seq_length=self.cfg.seq_length)  # noqa: E731
+        weights = TeacherWeights(self.model, rl.feedback_teacher, rl.feedback_teacher_lag, build_copy, self.device,
+                                 before_forward=self.replay.clear if self.replay is not None else None)
+        self.feedback_teacher = FeedbackTeacher(weights, rl.feedback_kl_topk, rl.micro_batch_tokens)
 
     # ---- state --------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -233,7 +257,7 @@ class RLTrainer(Trainer):
         finally:
             self.engine.stop()
         return episode_samples(results, [g for g in mine for _ in range(rl.group_size)], rl.group_size,
-                               self.tokenizer)
+                               self.tokenizer, self.feedback_rules, rl.feedback_hint_role)
 
     def rollouts(self, iteration: int) -> list[RolloutSample]:
         """Every group of this step (this DP rank samples its share; all ranks get all)."""
@@ -303,6 +327,9 @@ class RLTrainer(Trainer):
         # this rank's context-parallel share of each micro-batch; every per-token field is split alike
         batches = [(torch.tensor(members), zigzag_batch(pack_samples([samples[i] for i in members]), self.cp_size,
                                                         self.cp_rank, pad_to_multiple=True)) for members in bins]
+        if self.feedback_teacher is not None:
+            self.feedback_teacher.logits_fn.refresh(self.state.iteration)
+            batches = [(m, self.feedback_teacher.annotate(b, [samples[i] for i in m.tolist()])) for m, b in batches]
         kl_sums = torch.zeros(count, dtype=torch.float64)  # per trajectory
         if self.reference is not None:
             for members, batch in batches:
@@ -339,6 +366,9 @@ class RLTrainer(Trainer):
             metrics[f"task {key}"] = sum(s.rewards.get(key, 0.0) for s in trajectories) / count
         for key in sorted({k for s in trajectories for k in s.info}):  # agentic: turns, summaries, ...
             metrics[key] = sum(s.info.get(key, 0.0) for s in trajectories) / count
+        if self.feedback_rules:
+            turns = sum(s.info.get("turns", 0.0) for s in trajectories)
+            metrics.update(feedback_metrics(samples, count, list(self.feedback_rules), turns))
         if self.reference is not None:
             metrics["kl to reference"] = float(kl_sums.sum() / generated.sum().clamp(min=1))
         return metrics
@@ -367,8 +397,9 @@ class RLTrainer(Trainer):
         metrics.update({"policy loss": result.losses["policy loss"], "grad norm": result.grad_norm,
                         "lr": result.lr, "train seconds": time.perf_counter() - started,
                         "skipped": float(result.skipped)})
-        if "mtp loss" in result.losses:
-            metrics["mtp loss"] = result.losses["mtp loss"]
+        for name in ("mtp loss", "feedback kl"):
+            if name in result.losses:
+                metrics[name] = result.losses[name]
         return metrics
 
     # ---- held-out evaluation ---------------------------------------------
@@ -428,8 +459,8 @@ class RLTrainer(Trainer):
                 self._log_eval()
             if st.iteration % cfg.log_interval == 0 or st.iteration == cfg.train_iters:
                 line = {k: metrics[k] for k in ("reward", "task all_pass", "policy loss", "grad norm",
-                                                "completion length", "turns", "summaries", "logp mismatch mean",
-                                                "step seconds") if k in metrics}
+                                                "completion length", "turns", "summaries", "feedback hints",
+                                                "feedback kl", "logp mismatch mean", "step seconds") if k in metrics}
                 self.log.log(st.iteration, cfg.train_iters, line, {f"rl/{k}": v for k, v in metrics.items()})
                 self.plot_rewards()
             interval = cfg.checkpoint.save_interval

@@ -269,6 +269,9 @@ class EnvWorker:
             self.agent = Agent(client, self.tokenizer, agent_config(self.rl, spec.seq_length,
                                                                     routed_experts=self.rl.router_replay))
             self.pool = fitting_tasks(self.rl, self.env, self.agent, spec.seq_length)
+            from ..feedback import build_rules
+
+            self.feedback_rules = build_rules(self.rl, client=client, tokenizer=self.tokenizer)
         else:
             from ..tasks import get_task
             from ..trainer import fitting_prompts
@@ -293,7 +296,8 @@ class EnvWorker:
             from ..trainer import episode_samples
 
             results = self.env.episodes(self.agent, [(task, s) for s in seeds], max_workers=rl.episode_workers)
-            samples = episode_samples(results, [group_id] * rl.group_size, rl.group_size, self.tokenizer)
+            samples = episode_samples(results, [group_id] * rl.group_size, rl.group_size, self.tokenizer,
+                                      self.feedback_rules, rl.feedback_hint_role)
         else:
             samples = self._single_turn(group_id, task, seeds)
         return Group(group_id, samples, launched_version)
