@@ -289,3 +289,27 @@ def test_feedback_flags_are_checked():
         with pytest.raises(ValueError, match=match):
             RLConfig(**fields)
     assert feedback.HINT_ROLES == ("user", "system")
+
+
+def test_hints_land_on_the_segment_of_their_message_after_a_summary(tmp_path):
+    """episode_samples (both RL loops build samples with it): a mistake in the second segment."""
+    from megatron_composer.rl.trainer import episode_samples
+
+    (tmp_path / "big.txt").write_text("x" * 300)
+    read = call("read_file", path="big.txt")
+    script = [read, "SUMMARY-1", call("open_file", path="big.txt"), call("finish", message="fin")]
+    probe = Agent(ScriptedClient(TOK, script), TOK, CONFIG).run(ToolSet(tmp_path, max_output_chars=300), "Read it.")
+    trigger = probe.segments[0].length - len(TOK.encode(script[2])) - 1  # reached after the first tool turn
+    config = AgentConfig(max_context_tokens=4 * trigger, summary_trigger_tokens=trigger, max_summaries=1,
+                         summary_max_tokens=32, max_observation_tokens=1000)
+    traj = Agent(ScriptedClient(TOK, script), TOK, config).run(ToolSet(tmp_path, max_output_chars=300), "Read it.")
+    assert len(traj.segments) == 2 and [t.kind for t in traj.turns] == ["action", "summary", "action", "action"]
+    result = types.SimpleNamespace(trajectory=traj, verdict={"correctness": 0.0})
+    samples = episode_samples([result], [0], 1, TOK, resolve_rules("unknown_tool"))
+    assert [len(s.hints) for s in samples] == [0, 1]
+    hint = samples[1].hints[0]
+    turn = traj.turns[2]
+    assert (turn.segment, hint.start, hint.end) == (1, turn.start, turn.end)
+    message = samples[1].completion_ids[hint.start:hint.end]
+    assert TOK.decode(message).startswith('<tool_call>{"name": "open_file"')
+    assert all(samples[1].loss_mask[hint.start:hint.end])  # a generated message: trained tokens

@@ -50,7 +50,7 @@ class RLConfig:
     eval_interval: int = 0
     # textual feedback (rl/feedback.py, rl/feedback_loss.py): rules "" = off
     feedback_rules: str = ""
-    feedback_coef: float = 0.1  # 0: the rules only count the mistakes (no teacher, no loss)
+    feedback_coef: float = 1.0  # 0: the rules only count the mistakes (no teacher, no loss)
     feedback_kl: str = "reverse"
     feedback_kl_topk: int = 0  # 0: the full vocabulary
     feedback_teacher: str = "current"

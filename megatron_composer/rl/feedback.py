@@ -64,14 +64,19 @@ def _action_turns(trajectory: Trajectory):
     return [(i, t) for i, t in enumerate(trajectory.turns) if t.kind == "action"]
 
 
+def unknown_tool_hint(names: Sequence[str], tool_names: Sequence[str]) -> str:
+    """The hint of `unknown_tool` for calls to `names` when `tool_names` are offered."""
+    called = " or ".join(repr(n) for n in sorted(set(names)))
+    return f"There is no tool named {called}. The tools are: {', '.join(tool_names)}."
+
+
 @register_rule("unknown_tool")
 def unknown_tool(trajectory: Trajectory) -> list:
     hints = []
     for i, turn in _action_turns(trajectory):
-        names = sorted({repr(e.name) for e in turn.events if e.misuse == "unknown_tool"})
+        names = [str(e.name) for e in turn.events if e.misuse == "unknown_tool"]
         if names:
-            hints.append((i, f"There is no tool named {' or '.join(names)}. The tools are: "
-                             f"{', '.join(trajectory.tool_names)}."))
+            hints.append((i, unknown_tool_hint(names, trajectory.tool_names)))
     return hints
 
 

@@ -455,6 +455,7 @@ class RLTrainer(Trainer):
         while st.iteration < cfg.train_iters:
             metrics = self.rl_step()
             self.history.append(dict(metrics, iteration=st.iteration))
+            self._append_step_log(self.history[-1])
             if self.rl.eval_interval and st.iteration % self.rl.eval_interval == 0 and st.iteration < cfg.train_iters:
                 self._log_eval()
             if st.iteration % cfg.log_interval == 0 or st.iteration == cfg.train_iters:
@@ -471,6 +472,16 @@ class RLTrainer(Trainer):
         self._log_eval()
         self.plot_rewards()
         return st
+
+    def _append_step_log(self, metrics: dict) -> None:
+        """One JSON line per step in --save/rl_steps.jsonl (rank 0): every metric of the step."""
+        if not self.cfg.checkpoint.save or (dist.is_initialized() and dist.get_rank() != 0):
+            return
+        import json
+
+        os.makedirs(self.cfg.checkpoint.save, exist_ok=True)
+        with open(os.path.join(self.cfg.checkpoint.save, "rl_steps.jsonl"), "a", encoding="utf-8") as f:
+            f.write(json.dumps({k: v for k, v in metrics.items() if isinstance(v, (int, float))}) + "\n")
 
     def plot_rewards(self) -> Optional[str]:
         """reward_curve.png in the --save directory (rank 0): mean reward per step and its 10-step mean."""
