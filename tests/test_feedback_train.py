@@ -146,3 +146,47 @@ def test_the_lagged_teacher_keeps_its_weights_for_lag_steps(data_dir):
     trainer.train_on(_samples(trainer.tokenizer))  # step 3: iteration 2, refreshed
     assert not torch.equal(dict(weights.copy.named_parameters())[name], start)
     assert first["feedback kl"] > 0
+
+
+class _MistakeThenFinish:
+    """A `RolloutClient` on the real tokenizer: calls the unknown tool create_file, then finishes."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+
+    def generate(self, prompts, params):
+        from megatron_composer.data.tool_calls import format_tool_call
+        from megatron_composer.inference.params import Completion
+
+        out = []
+        for prompt in prompts:
+            seen = "unknown tool" in self.tok.decode([t for t in prompt if t < self.tok.vocab_size])
+            text = (format_tool_call("finish", {"message": "ok"}) if seen else
+                    format_tool_call("create_file", {"path": "a.txt", "content": "x"}))
+            ids = self.tok.encode(text)[:params.max_tokens - 1] + [self.tok.chat["end"]]
+            out.append(Completion(list(prompt), ids, [-1.0] * len(ids), [-1.0] * len(ids), None, [0] * len(ids),
+                                  "stop"))
+        return out
+
+
+def test_the_async_services_carry_the_hints_to_the_trainer(data_dir, tmp_path):
+    """--async-rl: the environment worker attaches the hints, the trainer actor distills them."""
+    from megatron_composer.rl.async_rl.services import EnvWorker, RolloutSpec, TrainerWorker
+
+    argv = ["--model-preset", "tiny", "--num-layers", "2", "--seq-length", "512",
+            "--tokenizer-model", str(data_dir / "tokenizer.model"), "--data-cache-dir", str(data_dir),
+            "--env", "agentic-coding", "--group-size", "2", "--prompts-per-step", "2", "--max-new-tokens", "48",
+            "--max-turns", "3", "--lr", "1e-3", "--lr-warmup-iters", "0", "--train-iters", "2",
+            "--rl-micro-batch-tokens", "4096", "--feedback-rules", "unknown_tool", "--save", str(tmp_path / "rl")]
+    trainer = TrainerWorker(argv, 0, 1)
+    trainer.setup(*trainer.address())
+    try:
+        info = trainer.describe()
+        spec = RolloutSpec(trainer.rl, info["tokenizer_model"], info["seq_length"], info["seed"], info["tasks"])
+        env = EnvWorker(spec, _MistakeThenFinish(trainer.trainer.tokenizer))
+        groups = [env.run_group(gid, 0) for gid in (3, 4)]
+        assert all(len(s.hints) == 1 and s.hints[0].rules == ("unknown_tool",) for g in groups for s in g.samples)
+        metrics, _ = trainer.train_step(groups)
+        assert metrics["feedback hints unknown_tool"] == 4 and metrics["feedback kl"] > 0
+    finally:
+        trainer.close()
