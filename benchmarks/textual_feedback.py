@@ -113,7 +113,9 @@ def main() -> None:
                         "prompts-per-step x steps) are not among them, so no task's mistake is memorized")
     p.add_argument("--mistake-fraction", type=float, default=0.4)
     p.add_argument("--hinted-fraction", type=float, default=0.3)
-    p.add_argument("--sft-iters", type=int, default=200)
+    p.add_argument("--sft-iters", type=int, default=150)
+    p.add_argument("--sft-lr", type=float, default=3e-4,
+                   help="low enough to keep the checkpoint's skill while it picks up the mistake")
     p.add_argument("--plot", default="docs/textual_feedback.png")
     args = p.parse_args()
     if args.prompts_per_step * args.steps > args.task_offset:
@@ -140,7 +142,8 @@ def main() -> None:
     sft = os.path.join(out, "sft")
     if not done(sft):
         sh([py, "pretrain_cpt.py", "--stage", "sft", *common, "--data-path", mix, "--micro-batch-size", "8",
-            "--train-iters", str(args.sft_iters), "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "10",
+            "--train-iters", str(args.sft_iters), "--lr", str(args.sft_lr), "--min-lr", str(args.sft_lr / 10),
+            "--lr-warmup-iters", "10",
             "--log-interval", "50", "--load", os.path.abspath(args.load), "--finetune", "--save", sft],
            os.path.join(out, "sft.log"))
 

@@ -28,9 +28,12 @@ def data_dir(request):
     Built once into pytest's cache dir and reused while its manifest matches
     (`default_cpt_data` checks Python, sentencepiece and the file lists).
     """
+    from filelock import FileLock
+
     from megatron_composer.data import default_cpt_data
 
     cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider
     d = cache.mkdir("stdlib_cpt_data") if cache is not None else request.getfixturevalue("tmp_path_factory").mktemp("data")
-    default_cpt_data(d, progress=False)
+    with FileLock(str(d) + ".lock"):  # two pytest runs at once: one builds, the other reuses
+        default_cpt_data(d, progress=False)
     return d

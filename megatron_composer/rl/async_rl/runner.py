@@ -81,7 +81,10 @@ class AsyncRLRunner:
             if args.ray_address:
                 ray.init(address=args.ray_address, log_to_driver=True)
             else:
-                ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=True)
+                # "local": a new instance of this job, even where `ray start` left a cluster running
+                # (ray.init() without an address would join that one)
+                ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False,
+                         log_to_driver=True)
         cores = os.cpu_count() or 1
         gpus = ray.cluster_resources().get("GPU", 0)
         world = args.trainer_ranks
