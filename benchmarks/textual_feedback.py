@@ -6,9 +6,11 @@
    of which `--mistake-fraction` first call the tool `create_file`, which is
    not offered, get the environment's real error and then call write_file;
    `--hinted-fraction` carry the `unknown_tool` rule's note before the first
-   message and call write_file at once; the rest are clean. (A large model
-   follows a note in its context out of the box; the tiny one learns to here,
-   which is what lets it be its own teacher.)
+   message and call write_file at once; the rest are clean. A large model
+   follows a note in its context out of the box; the tiny one learns it here,
+   and it must also learn to keep copying the file name and content across
+   the note: a teacher that copies worse than the student would teach those
+   tokens wrong (the KL of the whole message is distilled, not just the name).
 2. SFT from `--load` (an agentic SFT checkpoint, e.g. `examples/tiny/agentic_rl.sh`'s).
 3. RL from that checkpoint, the same seeds and tasks for both arms: the
    baseline with `--feedback-rules unknown_tool --feedback-coef 0` (the rule
@@ -65,6 +67,51 @@ def mistake_mixture(expert_lines: list[str], mistake: float, hinted: float, seed
     return out
 
 
+def mistake_probability(checkpoint: str, tokenizer_model: str, count: int) -> float:
+    """Mean over `count` held-out write-file tasks of the model's P(WRONG_TOOL | WRONG_TOOL or
+    write_file) as the first call's name: the habit itself, without sampling noise."""
+    import math
+
+    import torch
+
+    from megatron_composer.checkpoint import load_checkpoint
+    from megatron_composer.checkpoint.tracker import latest_iteration
+    from megatron_composer.config import get_preset
+    from megatron_composer.data.sft import render_chat
+    from megatron_composer.data.tokenizer import Tokenizer
+    from megatron_composer.models import build_model, composer_forward
+    from megatron_composer.parallel import ParallelLayout
+    from megatron_composer.parallel.layout import initialize_parallel
+    from megatron_composer.platform import init_distributed
+    from megatron_composer.rl.agent import system_prompt
+    from megatron_composer.rl.tasks.coding import load_tasks
+
+    init_distributed()
+    tok, cfg = Tokenizer(tokenizer_model), get_preset("tiny")
+    layout = ParallelLayout(world_size=1, num_experts=cfg.num_experts)
+    initialize_parallel(layout, 1)
+    model = build_model(cfg, layout, seq_length=512)
+    load_checkpoint(checkpoint, model, iteration=latest_iteration(checkpoint), allow_missing=("mtp.",))
+    model.eval()
+
+    def logp(context: list[int], text: str) -> float:
+        cont = tok.encode(text)
+        ids = context + cont
+        with torch.no_grad():
+            logits, _ = composer_forward(model, torch.tensor(ids)[None], torch.arange(len(ids))[None])
+        lp = torch.log_softmax(logits[0].float(), -1)
+        return sum(lp[len(context) - 1 + j, t].item() for j, t in enumerate(cont))
+
+    total = 0.0
+    tasks = load_tasks(["write-file"], "eval", count=count)
+    for task in tasks:
+        context = render_chat([{"role": "system", "content": system_prompt()},
+                               {"role": "user", "content": task.instruction}], tok, add_generation_prompt=True)[0]
+        gap = logp(context, '<tool_call>{"name": "write_file"') - logp(context, f'<tool_call>{{"name": "{WRONG_TOOL}"')
+        total += 1 / (1 + math.exp(min(gap, 700)))
+    return total / len(tasks)
+
+
 def sh(argv: list[str], log: str) -> None:
     print("$ " + " ".join(argv[:4]) + " ...  (log: " + log + ")", flush=True)
     with open(log, "w") as f:
@@ -106,16 +153,19 @@ def main() -> None:
     p.add_argument("--prompts-per-step", type=int, default=4)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--coef", type=float, default=1.0, help="--feedback-coef of the feedback arm")
-    p.add_argument("--lr", default="3e-4")
+    p.add_argument("--lr", default="1e-4")
+    p.add_argument("--reward", default="correctness=1.0,all_pass=1.0,tool_misuse=0.1")
     p.add_argument("--tasks", type=int, default=800, help="expert trajectories in the mistake SFT data")
     p.add_argument("--task-offset", type=int, default=400,
                    help="the mistake SFT data starts at this training task: RL's tasks (the first "
                         "prompts-per-step x steps) are not among them, so no task's mistake is memorized")
     p.add_argument("--mistake-fraction", type=float, default=0.4)
-    p.add_argument("--hinted-fraction", type=float, default=0.3)
-    p.add_argument("--sft-iters", type=int, default=150)
-    p.add_argument("--sft-lr", type=float, default=3e-4,
+    p.add_argument("--hinted-fraction", type=float, default=0.4)
+    p.add_argument("--sft-iters", type=int, default=300)
+    p.add_argument("--sft-lr", type=float, default=5e-4,
                    help="low enough to keep the checkpoint's skill while it picks up the mistake")
+    p.add_argument("--probe-tasks", type=int, default=48,
+                   help="held-out tasks on which P(wrong tool) is measured after SFT and after RL (0: skip)")
     p.add_argument("--plot", default="docs/textual_feedback.png")
     args = p.parse_args()
     if args.prompts_per_step * args.steps > args.task_offset:
@@ -161,7 +211,7 @@ def main() -> None:
                     "--prompts-per-step", str(args.prompts_per_step), "--group-size", str(args.group_size),
                     "--max-new-tokens", "64", "--max-turns", "4", "--temperature", "1.0",
                     "--lr", args.lr, "--min-lr", args.lr, "--lr-warmup-iters", "0", "--log-interval", "1",
-                    "--reward", "correctness=1.0,all_pass=1.0,tool_misuse=0.1",
+                    "--reward", args.reward,
                     "--feedback-rules", "unknown_tool", "--feedback-coef", str(coef)],
                    os.path.join(out, f"{os.path.basename(run)}.log"))
             curves[arm].append(read_rates(run))
@@ -175,6 +225,14 @@ def main() -> None:
               f"steps 1-{args.steps}: " + " ".join(f"{x:.3f}" for x in curve))
         print(f"textual_feedback {arm}: steps 1-3 {first:.3f} -> steps {args.steps - 2}-{args.steps} {last:.3f} "
               f"(fall {first - last:+.3f}); halved by step {halving_step(curve)}")
+    if args.probe_tasks:
+        start = mistake_probability(sft, args.tokenizer_model, args.probe_tasks)
+        for arm, prefix in (("RL alone", "baseline"), ("RL + feedback", "feedback")):
+            ends = [mistake_probability(os.path.join(out, f"{prefix}_seed{seed}"), args.tokenizer_model,
+                                        args.probe_tasks) for seed in seeds]
+            print(f"textual_feedback {arm}: P({WRONG_TOOL}) as the first call on {args.probe_tasks} held-out "
+                  f"tasks: {start:.3f} after SFT -> " + " / ".join(f"{x:.3f}" for x in ends)
+                  + f" after {args.steps} steps (seeds {args.seeds})")
     base, fb = falls["RL alone"], falls["RL + feedback"]
     ratio = fb / base if base > 0 else float("inf")
     print(f"textual_feedback: the mistake rate falls {ratio:.1f}x as much with feedback in {args.steps} steps "
