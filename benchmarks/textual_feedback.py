@@ -17,9 +17,11 @@
    only counts the mistakes) and the feedback run with `--feedback-coef C`.
    Reward: correctness + all_pass + 0.1 x tool misuse for both.
 4. The mistake rate is unknown-tool hints per sampled trajectory, each step
-   (`rl_steps.jsonl`), mean over seeds. Prints both curves, the fall of the
-   rate from the first to the last 3 steps of each arm and their ratio, and the
-   steps until the rate halves; plots `docs/textual_feedback.png` (`--plot`).
+   (`rl_steps.jsonl`), mean over seeds. Prints both curves, the steps until
+   the rate halves and until it is below a tenth, the mistakes left after
+   step 1 (the curve's sum over the later steps; step 1 samples the same
+   policy in both arms) and their ratio, and P(create_file) as the first call
+   on held-out tasks after SFT and after RL; plots `docs/textual_feedback.png`.
 The mistake SFT data comes from training tasks after `--task-offset`, so
 the tasks RL meets first carry no memorized mistake. Steps already done
 (data, SFT, finished runs) are skipped when rerun with the same `--out`.
@@ -134,11 +136,12 @@ def read_rates(run: str) -> list[float]:
     return [by_step[k] for k in sorted(by_step)]
 
 
-def halving_step(curve: list[float]) -> str:
+def first_step_below(curve: list[float], fraction: float) -> str:
+    """The middle step of the first 3-step window whose mean is at most `fraction` of steps 1-3's."""
     start = sum(curve[:3]) / 3
     for i in range(len(curve) - 2):
-        if sum(curve[i:i + 3]) / 3 <= start / 2:
-            return str(i + 2)  # the middle step of the first 3-step window at half the start
+        if sum(curve[i:i + 3]) / 3 <= fraction * start:
+            return str(i + 2)
     return f"> {len(curve)}"
 
 
@@ -217,26 +220,28 @@ def main() -> None:
             curves[arm].append(read_rates(run))
 
     mean = {arm: [sum(c[i] for c in runs) / len(runs) for i in range(args.steps)] for arm, runs in curves.items()}
-    falls = {}
+    areas = {}
     for arm, curve in mean.items():
         first, last = sum(curve[:3]) / 3, sum(curve[-3:]) / 3
-        falls[arm] = first - last
+        areas[arm] = sum(curve[1:])  # step 1 is the same policy in both arms
         print(f"textual_feedback {arm}: unknown-tool calls per trajectory, mean of seeds {args.seeds}, "
               f"steps 1-{args.steps}: " + " ".join(f"{x:.3f}" for x in curve))
-        print(f"textual_feedback {arm}: steps 1-3 {first:.3f} -> steps {args.steps - 2}-{args.steps} {last:.3f} "
-              f"(fall {first - last:+.3f}); halved by step {halving_step(curve)}")
+        print(f"textual_feedback {arm}: steps 1-3 {first:.3f} -> steps {args.steps - 2}-{args.steps} {last:.3f}; "
+              f"halved by step {first_step_below(curve, 0.5)}, below a tenth by step {first_step_below(curve, 0.1)}; "
+              f"mistakes left after step 1 (sum of the curve over steps 2-{args.steps}): {areas[arm]:.3f}")
     if args.probe_tasks:
         start = mistake_probability(sft, args.tokenizer_model, args.probe_tasks)
         for arm, prefix in (("RL alone", "baseline"), ("RL + feedback", "feedback")):
             ends = [mistake_probability(os.path.join(out, f"{prefix}_seed{seed}"), args.tokenizer_model,
                                         args.probe_tasks) for seed in seeds]
             print(f"textual_feedback {arm}: P({WRONG_TOOL}) as the first call on {args.probe_tasks} held-out "
-                  f"tasks: {start:.3f} after SFT -> " + " / ".join(f"{x:.3f}" for x in ends)
+                  f"tasks: {start:.3f} after SFT -> " + " / ".join(f"{x:.4f}" for x in ends)
                   + f" after {args.steps} steps (seeds {args.seeds})")
-    base, fb = falls["RL alone"], falls["RL + feedback"]
-    ratio = fb / base if base > 0 else float("inf")
-    print(f"textual_feedback: the mistake rate falls {ratio:.1f}x as much with feedback in {args.steps} steps "
-          f"(coef {args.coef:g}, {args.prompts_per_step} x {args.group_size} per step, {len(seeds)} seeds)")
+    base, fb = areas["RL alone"], areas["RL + feedback"]
+    ratio = base / fb if fb > 0 else float("inf")
+    print(f"textual_feedback: RL alone leaves {ratio:.2f}x the mistakes RL + feedback leaves over steps "
+          f"2-{args.steps} (coef {args.coef:g}, lr {args.lr}, {args.prompts_per_step} x {args.group_size} per step, "
+          f"{len(seeds)} seeds)")
     if args.plot:
         plot(curves, mean, args)
 

@@ -313,3 +313,18 @@ def test_hints_land_on_the_segment_of_their_message_after_a_summary(tmp_path):
     message = samples[1].completion_ids[hint.start:hint.end]
     assert TOK.decode(message).startswith('<tool_call>{"name": "open_file"')
     assert all(samples[1].loss_mask[hint.start:hint.end])  # a generated message: trained tokens
+
+
+def test_train_rl_flags_reach_the_config():
+    from megatron_composer.rl.arguments import parse_rl_args
+
+    _, _, rl = parse_rl_args(["--env", "agentic-coding", "--feedback-rules", "unknown_tool,failing_test",
+                              "--feedback-coef", "0.5", "--feedback-kl", "forward", "--feedback-kl-topk", "64",
+                              "--feedback-teacher", "lagged", "--feedback-teacher-lag", "4",
+                              "--feedback-hint-role", "system", "--feedback-long-thought-tokens", "32"])
+    assert (rl.feedback_rules, rl.feedback_coef, rl.feedback_kl, rl.feedback_kl_topk) == (
+        "unknown_tool,failing_test", 0.5, "forward", 64)
+    assert (rl.feedback_teacher, rl.feedback_teacher_lag, rl.feedback_hint_role, rl.feedback_long_thought_tokens) == (
+        "lagged", 4, "system", 32)
+    with pytest.raises(SystemExit):
+        parse_rl_args(["--env", "agentic-coding", "--feedback-rules", "unknown_tool", "--feedback-kl", "both"])
