@@ -44,6 +44,7 @@ setup(
         "uvicorn",
         "matplotlib",  # PNG plots in run directories (RL reward curve)
         "pyflakes",  # rl/agentic_rewards.py: the style reward term
+        "rapidfuzz",  # eval/edits.py: character-level edit distance (state tracking)
     ],
     extras_require={
         # triton: the quantization kernels' tests run through its CPU interpreter; CUDA builds of

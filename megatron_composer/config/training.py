@@ -239,6 +239,7 @@ class TrainingConfig:
     log_interval: int = 1
     eval_interval: Optional[int] = None
     eval_iters: int = 4
+    eval_base_interval: int = 0  # base evals (codebase ppl, state tracking, knowledge) every N; 0 = off
     max_skipped_iterations: int = 5  # consecutive non-finite steps before the run stops
     distributed_timeout_minutes: int = 10  # process groups' collective timeout
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -251,6 +252,9 @@ class TrainingConfig:
         for name in ("seq_length", "micro_batch_size", "train_iters", "log_interval", "eval_iters"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.eval_base_interval < 0:
+            raise ValueError(f"--eval-base-interval must be >= 0 (0 turns the base evals off), got "
+                             f"{self.eval_base_interval}")
         if self.max_skipped_iterations < 1:
             raise ValueError(f"--max-skipped-iterations must be >= 1, got {self.max_skipped_iterations}")
         if self.mtp_loss not in ("self-distill", "ce"):

@@ -192,6 +192,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-interval", type=int, default=1)
     g.add_argument("--eval-interval", type=int, default=None)
     g.add_argument("--eval-iters", type=int, default=4)
+    g.add_argument("--eval-base-interval", type=int, default=0,
+                   help="run the base evals (codebase perplexity, state tracking, coding knowledge; "
+                        "tools/eval_base.py) every N iterations and log them; 0: off")
+    g.add_argument("--eval-base-samples", type=int, default=8,
+                   help="base evals during training: at most this many perplexity windows, "
+                        "state-tracking tasks and knowledge questions")
+    g.add_argument("--eval-base-evals", default="codebase-ppl,state-tracking,knowledge",
+                   help="comma-separated base evals to run")
+    g.add_argument("--eval-base-data", default=None,
+                   help="source directory of the base evals; default: the held-out split of the "
+                        "embedded corpus")
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--wandb-project", default=None, help="enables wandb (offline unless WANDB_MODE)")
     g.add_argument("--wandb-exp-name", default=None)
@@ -249,7 +260,29 @@ def parse_args(argv: Optional[list[str]] = None, parser: Optional[argparse.Argum
                                  args.expert_model_parallel_size, args.expert_tensor_parallel_size)
     check_low_precision(args, model_cfg)
     check_transformer_impl(cfg, model_cfg)
+    check_base_evals(args, cfg)
     return args
+
+
+def check_base_evals(args, cfg: TrainingConfig) -> None:
+    """Raise a ValueError naming the flag if the base evals cannot run with this layout.
+
+    They run through the inference engine's forward on whole weights on every rank."""
+    if not cfg.eval_base_interval:
+        return
+    from ..eval import parse_evals
+
+    parse_evals(args.eval_base_evals)
+    if args.eval_base_samples < 1:
+        raise ValueError(f"--eval-base-samples must be >= 1, got {args.eval_base_samples}")
+    for flag, value, fits in (("--tensor-model-parallel-size", args.tensor_model_parallel_size, 1),
+                              ("--expert-model-parallel-size", args.expert_model_parallel_size, 1),
+                              ("--data-parallel-sharding", args.data_parallel_sharding, "ddp"),
+                              ("--transformer-impl", args.transformer_impl, "local")):
+        if value != fits:
+            raise ValueError(f"--eval-base-interval runs the evals on whole weights on every rank (the inference "
+                             f"engine's forward); {flag} {value} does not allow it; use {flag} {fits} or "
+                             f"evaluate saved checkpoints with tools/eval_base.py")
 
 
 def check_transformer_impl(cfg: TrainingConfig, model_cfg: ModelConfig) -> None:

@@ -95,6 +95,12 @@ class TrainingLogger:
         if iteration is not None:
             self.scalars(iteration, {"validation-lm-loss": loss})
 
+    def base_eval(self, iteration: int, scalars: dict) -> None:
+        """One line of the base evals' figures, and the same scalars to TensorBoard / wandb."""
+        figures = " | ".join(f"{name.split('/', 1)[-1]}: {value:.6E}" for name, value in scalars.items())
+        self.print(f" base evals at iteration {iteration} | {figures} |")
+        self.scalars(iteration, scalars)
+
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()

@@ -60,7 +60,14 @@ def pretrain(argv: Optional[list[str]] = None) -> Trainer:
     log = TrainingLogger(env.rank, tensorboard_dir=args.tensorboard_dir, wandb_project=args.wandb_project,
                          wandb_name=args.wandb_exp_name, wandb_dir=args.wandb_save_dir,
                          config=_scalar_args(args))
-    trainer = Trainer(model_cfg, layout, TrainingData(train, valid), cfg, log=log)
+    base_eval = None
+    if cfg.eval_base_interval:
+        from ..eval.hook import BaseEvalHook
+
+        base_eval = BaseEvalHook.from_args(args, data.tokenizer, model_cfg)
+        log.print(f"> base evals every {cfg.eval_base_interval} iterations: {args.eval_base_evals} "
+                  f"on {base_eval.evals.source.name}, at most {args.eval_base_samples} items each")
+    trainer = Trainer(model_cfg, layout, TrainingData(train, valid), cfg, log=log, base_eval=base_eval)
     counts = count_parameters(model_cfg)
     log.print(f"> model: {counts.total / 1e6:.2f}M parameters, {counts.active / 1e6:.2f}M active, "
               f"{counts.mtp / 1e6:.2f}M MTP; TP={layout.tp} CP={layout.cp} EP={layout.ep} "

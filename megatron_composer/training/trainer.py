@@ -97,8 +97,10 @@ class Trainer:
 
     def __init__(self, model_cfg: ModelConfig, layout: ParallelLayout, data: TrainingData,
                  cfg: TrainingConfig, *, log: Optional[TrainingLogger] = None,
-                 batch_transform: Optional[Callable[[Batch], Batch]] = None):
+                 batch_transform: Optional[Callable[[Batch], Batch]] = None,
+                 base_eval: Optional[Callable] = None):
         self.model_cfg, self.layout, self.data, self.cfg = model_cfg, layout, data, cfg
+        self.base_eval = base_eval  # (model, model_cfg) -> scalars; `eval.hook.BaseEvalHook`
         self.log = log or TrainingLogger(dist.get_rank() if dist.is_initialized() else 0)
         self.batch_transform = batch_transform
         initialize_parallel(layout, cfg.seed, cfg.distributed_timeout_minutes)
@@ -256,10 +258,20 @@ class Trainer:
         self._all_reduce_dp_cp(total)
         return (total[0] / total[1].clamp(min=1)).item()
 
+    def run_base_eval(self) -> dict:
+        """The base evals on the current weights (every rank its share), logged at this iteration."""
+        try:
+            result = self.base_eval(self.model, self.model_cfg)
+        finally:
+            self.model.train()
+        self.log.base_eval(self.state.iteration, result)
+        return result
+
     # ---- the outer loop -----------------------------------------------------
     def train(self) -> TrainState:
         """Step until --train-iters: log every --log-interval, evaluate every
-        --eval-interval, save every --save-interval and at the end.
+        --eval-interval, run the base evals every --eval-base-interval, save
+        every --save-interval and at the end.
 
         Stops with `TrainingAborted` after --max-skipped-iterations consecutive
         skipped steps, and with `optim.NonFiniteParametersError` if an update
@@ -282,6 +294,8 @@ class Trainer:
                 window = []
             if cfg.eval_interval and self.data.valid is not None and st.iteration % cfg.eval_interval == 0:
                 self.log.validation(st.iteration, self.evaluate(self.data.valid, cfg.eval_iters))
+            if self.base_eval is not None and cfg.eval_base_interval and st.iteration % cfg.eval_base_interval == 0:
+                self.run_base_eval()
             interval = cfg.checkpoint.save_interval
             if cfg.checkpoint.save and interval and st.iteration % interval == 0:
                 self.checkpoints.save()
