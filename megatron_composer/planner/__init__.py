@@ -1,0 +1,34 @@
+"""Plan a training run before launching it: per-GPU memory, per-step communication, step time.
+
+`make_plan(PlanSetup(...))` (`plan.py`) combines:
+
+* `inventory.py`: every parameter one rank holds, from the `ModelConfig`;
+* `states.py`: exact bytes of parameters, main weights, gradients and
+  optimizer state under DDP and dual-mesh HSDP;
+* `activations.py`: the activation-side peak of one micro-batch (estimate);
+* `comm.py`: bytes per collective per step (estimate, from the trainer's collectives);
+* `hardware.py`: GPU kinds with datasheet defaults;
+* `advice.py`: which knob makes a layout fit;
+* `report.py`: text tables and JSON.
+
+No library computes these figures for this trainer's layers and dual
+meshes, so they are written here; the exact parts reuse the optimizer's own
+rules (`optim.param_groups.muon_split`, `optim.sharded_muon.plan_buckets`)
+and are tested against a built model.
+"""
+from .activations import (
+    ActivationPlan,
+    ActivationSetup,
+    activation_plan,
+    layer_activations,
+)
+from .hardware import GPUS, GPUSpec, get_gpu
+from .inventory import ParamEntry, parameter_inventory
+from .plan import Plan, PlanSetup, make_plan, plan_memory
+from .states import StateBytes, default_dense_shard_size, optimizer_kinds, state_bytes
+
+__all__ = [
+    "ActivationPlan", "ActivationSetup", "GPUS", "GPUSpec", "ParamEntry", "Plan", "PlanSetup", "StateBytes",
+    "activation_plan", "default_dense_shard_size", "get_gpu", "layer_activations", "make_plan",
+    "optimizer_kinds", "parameter_inventory", "plan_memory", "state_bytes",
+]
