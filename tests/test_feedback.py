@@ -328,3 +328,4 @@ def test_train_rl_flags_reach_the_config():
         "lagged", 4, "system", 32)
     with pytest.raises(SystemExit):
         parse_rl_args(["--env", "agentic-coding", "--feedback-rules", "unknown_tool", "--feedback-kl", "both"])
+

@@ -174,3 +174,10 @@ def test_agentic_rollouts_are_gathered_whole_on_data_parallel_ranks(data_dir):
     (rank0, reward0), (rank1, reward1) = run_distributed(_agentic_dp2, 2, str(data_dir / "tokenizer.model"))
     assert rank0 == rank1 and reward0 == reward1  # every rank holds every group's trajectories
     assert sorted({t for t, _, _ in rank0}) == [0, 1, 2, 3] and [g for _, g, _ in rank0] == [0, 0, 1, 1]
+
+
+def test_train_rl_refuses_the_base_eval_flag_it_would_ignore():
+    from megatron_composer.rl.arguments import parse_rl_args
+
+    with pytest.raises(ValueError, match="--eval-base-interval 5 is a pretrain_cpt.py flag"):
+        parse_rl_args(["--eval-base-interval", "5"])

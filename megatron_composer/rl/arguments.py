@@ -126,6 +126,10 @@ def parse_rl_args(argv: Optional[list[str]] = None):
     if args.max_policy_lag < 0 or args.group_timeout_s <= 0:
         raise ValueError(f"--max-policy-lag {args.max_policy_lag} must be >= 0 and --group-timeout-s "
                          f"{args.group_timeout_s} > 0")
+    if getattr(args, "eval_base_interval", 0):
+        raise ValueError(f"--eval-base-interval {args.eval_base_interval} is a pretrain_cpt.py flag: RL measures "
+                         "itself with --eval-tasks / --eval-interval; evaluate RL checkpoints with "
+                         "tools/eval_base.py --load <checkpoint>")
     cfg = TrainingConfig.from_args(args)
     values = {f: getattr(args, f) for f in RLConfig.__dataclass_fields__}
     values["eval_interval"] = args.eval_interval or 0  # the shared --eval-interval
