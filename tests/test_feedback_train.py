@@ -107,7 +107,9 @@ def test_feedback_loss_equals_the_unpacked_reference_and_is_split_invariant(data
     tokenizer = str(data_dir / "tokenizer.model")
     whole_metrics, whole, batches = _step(0, 1, tokenizer)
     assert batches == 1
-    assert whole_metrics["feedback kl"] == pytest.approx(_reference_kl(tokenizer), rel=1e-4)
+    # the reference runs each sample alone (other matmul shapes): a KL near 0 is a difference of float32
+    # log-probs, so its last digits move (measured 3e-4 relative); a wrong alignment or count is off by far more
+    assert whole_metrics["feedback kl"] == pytest.approx(_reference_kl(tokenizer), rel=1e-3)
     assert whole_metrics["feedback kl"] > 0 and whole_metrics["feedback hints unknown_tool"] == 4
     assert whole_metrics["feedback unknown_tool per trajectory"] == 1.0
     small_metrics, small, batches = _step(0, 1, tokenizer, micro_batch_tokens=80)
