@@ -1,4 +1,5 @@
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -37,3 +38,17 @@ def data_dir(request):
     with FileLock(str(d) + ".lock"):  # two pytest runs at once: one builds, the other reuses
         default_cpt_data(d, progress=False)
     return d
+
+
+@pytest.fixture(autouse=True)
+def _launcher_env_is_restored():
+    """A test that runs a trainer actor in this process sets RANK / WORLD_SIZE / MASTER_PORT; later tests'
+    subprocesses would inherit them and try to join that world. Every test ends with the environment it began with."""
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    saved = {name: os.environ.get(name) for name in names}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value

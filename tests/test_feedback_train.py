@@ -171,7 +171,7 @@ class _MistakeThenFinish:
         return out
 
 
-def test_the_async_services_carry_the_hints_to_the_trainer(data_dir, tmp_path):
+def test_the_async_services_carry_the_hints_to_the_trainer(data_dir, tmp_path, monkeypatch):
     """--async-rl: the environment worker attaches the hints, the trainer actor distills them."""
     from megatron_composer.rl.async_rl.services import EnvWorker, RolloutSpec, TrainerWorker
 
@@ -180,6 +180,8 @@ def test_the_async_services_carry_the_hints_to_the_trainer(data_dir, tmp_path):
             "--env", "agentic-coding", "--group-size", "2", "--prompts-per-step", "2", "--max-new-tokens", "48",
             "--max-turns", "3", "--lr", "1e-3", "--lr-warmup-iters", "0", "--train-iters", "2",
             "--rl-micro-batch-tokens", "4096", "--feedback-rules", "unknown_tool", "--save", str(tmp_path / "rl")]
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)  # the actor sets them: undone after the test
     trainer = TrainerWorker(argv, 0, 1)
     trainer.setup(*trainer.address())
     try:
