@@ -306,6 +306,14 @@ class Engine:
             self._version = self._version + 1 if version is None else int(version)
             return self._version
 
+    def pause(self) -> None:
+        """Hold the scheduler (no decode step starts) until `resume`, from the same thread: an in-flight
+        weight swap made of several calls happens between two steps."""
+        self._lock.acquire()
+
+    def resume(self) -> None:
+        self._lock.release()
+
     # ------------------------------------------------------------ the step
     def step(self) -> list[Completion]:
         """One scheduler iteration (see the module docstring); returns the requests finished by it."""

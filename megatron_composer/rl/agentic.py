@@ -25,6 +25,7 @@ the engine's batch, and their sandboxes run side by side.
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import tempfile
@@ -112,3 +113,20 @@ class AgenticCodingEnv:
         with concurrent.futures.ThreadPoolExecutor(min(max_workers, len(jobs)),
                                                    thread_name_prefix="episode") as pool:
             return list(pool.map(lambda job: self.episode(agent, *job), jobs))
+
+
+def summarize(results, tokenizer) -> dict:
+    """Mean metrics over episode results (the held-out evaluations of `environments` and `rl.evaluate`)."""
+    n = max(1, len(results))
+    summaries = [s for r in results for s in r.trajectory.summaries]
+    stops = collections.Counter(r.trajectory.stop_reason for r in results)
+    row = {"tasks": len(results),
+           "solved": sum(r.verdict["all_pass"] for r in results) / n,
+           "correctness": sum(r.verdict["correctness"] for r in results) / n,
+           "tool misuse": sum(r.verdict["tool_misuse"] for r in results) / n,
+           "turns": sum(r.trajectory.counts.turns for r in results) / n,
+           "summaries": len(summaries) / n,
+           "summary tokens": (sum(len(tokenizer.encode(s)) for s in summaries) / len(summaries)) if summaries else 0.0,
+           "generated tokens": sum(r.trajectory.generated_tokens for r in results) / n}
+    row["stops"] = ", ".join(f"{k} {v}" for k, v in sorted(stops.items()))
+    return row

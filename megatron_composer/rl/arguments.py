@@ -1,13 +1,35 @@
-"""Command line of `train_rl.py`: `pretrain_cpt.py`'s flags (Megatron-LM names) plus the RL group."""
+"""Command line of `train_rl.py`: `pretrain_cpt.py`'s flags (Megatron-LM names) plus the RL groups.
+
+`parse_rl_args(argv)` is the only place the argparse Namespace exists: it
+returns an `RLRunConfig` of typed, picklable sections (training, RL, model
+source, parallel sizes, logging, the asynchronous services), which the
+drivers and the Ray actors take as it is.
+"""
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 from ..config import TrainingConfig
-from ..training.arguments import build_parser, parse_args
+from ..training.arguments import LoggingConfig, ModelSource, ParallelSizes, build_parser, parse_args
 from .algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS
-from .config import ENVS, KL_PLACEMENTS, RLConfig
+from .config import ENVS, KL_PLACEMENTS, AsyncConfig, RLConfig
 from .tasks import TASKS
+
+
+@dataclasses.dataclass(frozen=True)
+class RLRunConfig:
+    """Everything `train_rl.py`'s flags say, parsed once."""
+
+    training: TrainingConfig
+    rl: RLConfig
+    model: ModelSource
+    parallel: ParallelSizes
+    logging: LoggingConfig
+    async_rl: AsyncConfig
+    tokenizer_model: Optional[str]
+    data_cache_dir: str
+    distributed_timeout_minutes: int
 
 
 def build_rl_parser():
@@ -27,7 +49,13 @@ def build_rl_parser():
     g.add_argument("--kl-coef", type=float, default=d.kl_coef, help="0: no KL, no reference model")
     g.add_argument("--kl-kind", choices=sorted(KL_ESTIMATORS), default=d.kl_kind)
     g.add_argument("--kl-placement", choices=KL_PLACEMENTS, default=d.kl_placement)
-    g.add_argument("--clip-eps-low", type=float, default=d.clip_eps_low, help="PPO ratio clipping (off by default)")
+    g.add_argument("--policy-loss", default=d.policy_loss,
+                   help="the policy loss (rl/policy_losses.py registry): dr_grpo, ppo_clip, decoupled_ppo")
+    g.add_argument("--ppo-mini-batches", type=int, default=d.ppo_mini_batches,
+                   help="optimizer updates per RL step, each on prompts-per-step / N whole groups; the old "
+                        "log-probs are computed once before the first")
+    g.add_argument("--clip-eps-low", type=float, default=d.clip_eps_low,
+                   help="PPO ratio clipping (ppo_clip, decoupled_ppo; ratio against the old log-probs)")
     g.add_argument("--clip-eps-high", type=float, default=d.clip_eps_high)
     g.add_argument("--tis-cap", type=float, default=d.tis_cap,
                    help="truncated importance sampling cap on exp(logp_train - logp_sampler)")
@@ -35,6 +63,13 @@ def build_rl_parser():
     g.add_argument("--reward", default=d.reward, help="weighted reward terms, e.g. correctness=1.0,length=0.1")
     g.add_argument("--length-penalty-k", type=float, default=d.length_penalty_k)
     g.add_argument("--length-penalty-q", type=float, default=d.length_penalty_q)
+    g.add_argument("--length-penalty-weights", default=d.length_penalty_weights,
+                   help="the effort x of the length penalty: weights of thinking, tool_call, tool_output and "
+                        "final tokens, tool_calls and turns, e.g. thinking=1,tool_call=1,tool_output=1,final=1,"
+                        "tool_calls=0,turns=0 (unnamed ones keep these defaults)")
+    g.add_argument("--reward-module", default=d.reward_module,
+                   help="comma list of modules imported (in every process, Ray actors included) before "
+                        "--reward is read: they register reward terms with rewards.register_reward_term")
     g.add_argument("--no-router-replay", dest="router_replay", action="store_false",
                    help="let the training routers route instead of replaying the engine's experts")
     g.add_argument("--replay-plausibility-threshold", type=float, default=d.replay_plausibility_threshold,
@@ -114,11 +149,10 @@ def build_rl_parser():
     return p
 
 
-def parse_rl_args(argv: Optional[list[str]] = None):
-    """(args, TrainingConfig with stage "rl", RLConfig); ValueError names a bad flag."""
+def parse_rl_args(argv: Optional[list[str]] = None) -> RLRunConfig:
+    """train_rl.py's flags as an `RLRunConfig`; ValueError names a bad flag."""
     args = parse_args(argv, build_rl_parser())
     args.stage = "rl"
-    args.async_rl = args.async_rl or args.ray_address is not None
     for flag in ("max_inflight_groups", "trainer_ranks", "inference_workers", "env_workers"):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -137,4 +171,8 @@ def parse_rl_args(argv: Optional[list[str]] = None):
     if rl.micro_batch_tokens < args.seq_length:
         raise ValueError(f"--rl-micro-batch-tokens {rl.micro_batch_tokens} is below --seq-length "
                          f"{args.seq_length}: a sample of full length would fit no micro-batch")
-    return args, cfg, rl
+    async_rl = AsyncConfig(**{f: getattr(args, f) for f in AsyncConfig.__dataclass_fields__ if f != "enabled"},
+                           enabled=args.async_rl or args.ray_address is not None)
+    return RLRunConfig(training=cfg, rl=rl, model=ModelSource.from_args(args), parallel=ParallelSizes.from_args(args),
+                       logging=LoggingConfig.from_args(args), async_rl=async_rl, tokenizer_model=args.tokenizer_model,
+                       data_cache_dir=args.data_cache_dir, distributed_timeout_minutes=args.distributed_timeout_minutes)

@@ -66,17 +66,18 @@ class RLBatch(Batch):
     sampler_logp: Optional[torch.Tensor] = None  # [1, T] float32
     routed_experts: Optional[torch.Tensor] = None  # [1, T, moe layers, topk] int32, -1: not recorded
     ref_logp: Optional[torch.Tensor] = None  # [1, T] float32, filled by the loop when KL needs it
+    old_logp: Optional[torch.Tensor] = None  # [1, T] float32, the weights before the step's first update
     feedback_rows: Optional[torch.Tensor] = None  # [1, T] int64: row of feedback_table, -1: no target
     feedback_table: Optional[object] = None  # feedback_loss.FeedbackTable of the target positions
     normalizer_share: float = 0.0
 
     PAD_VALUES: ClassVar[dict] = {"advantages": 0.0, "sampler_logp": 0.0, "routed_experts": -1, "ref_logp": 0.0,
-                                  "feedback_rows": -1}
+                                  "old_logp": 0.0, "feedback_rows": -1}
 
     def to(self, device, non_blocking: bool = True) -> "RLBatch":
         moved = super().to(device, non_blocking)
         extra = {name: getattr(self, name).to(device, non_blocking=non_blocking)
-                 for name in ("advantages", "sampler_logp", "routed_experts", "ref_logp", "feedback_rows",
+                 for name in ("advantages", "sampler_logp", "routed_experts", "ref_logp", "old_logp", "feedback_rows",
                               "feedback_table")
                  if getattr(self, name) is not None}
         return dataclasses.replace(moved, **extra)

@@ -24,12 +24,16 @@ class RLConfig:
     kl_coef: float = 0.0
     kl_kind: str = "k1"
     kl_placement: str = "reward"
+    policy_loss: str = "dr_grpo"  # a name of policy_losses.POLICY_LOSSES
+    ppo_mini_batches: int = 1  # optimizer updates per step (old log-probs computed once before the first)
     clip_eps_low: Optional[float] = None
     clip_eps_high: Optional[float] = None
     tis_cap: Optional[float] = 2.0  # truncated importance sampling against the sampler's log-probs
     reward: str = "correctness=1.0"
     length_penalty_k: float = 1e-3
     length_penalty_q: float = 0.5
+    length_penalty_weights: str = ""  # "thinking=1,...,turns=0" (rewards.parse_effort_weights); "": defaults
+    reward_module: str = ""  # comma list of modules that register reward terms, imported before --reward
     router_replay: bool = True
     replay_plausibility_threshold: float = 0.0
     micro_batch_tokens: int = 2048  # packed tokens per micro-batch
@@ -60,7 +64,8 @@ class RLConfig:
     feedback_long_thought_tokens: int = 64
 
     def __post_init__(self):
-        for name in ("group_size", "prompts_per_step", "max_new_tokens", "micro_batch_tokens", "rollout_batch_size"):
+        for name in ("group_size", "prompts_per_step", "max_new_tokens", "micro_batch_tokens", "rollout_batch_size",
+                     "ppo_mini_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.advantage not in ADVANTAGE_ESTIMATORS:
@@ -89,10 +94,13 @@ class RLConfig:
             raise ValueError(f"--kl-coef {self.kl_coef} must be >= 0")
         if self.temperature <= 0:
             raise ValueError(f"--temperature {self.temperature}: RL samples (> 0); greedy groups have no variance")
-        from .rewards import LengthPenaltyConfig, parse_reward_weights
+        from .policy_losses import get_policy_loss
+        from .rewards import import_reward_modules, parse_reward_weights, reward_terms
 
+        get_policy_loss(self.policy_loss)
+        import_reward_modules(self.reward_module)
         parse_reward_weights(self.reward)
-        LengthPenaltyConfig(k=self.length_penalty_k, q=self.length_penalty_q)
+        reward_terms(self)  # the length penalty's k, q and effort weights
         self._check_feedback()
         if not 0 <= self.replay_plausibility_threshold <= 1:
             raise ValueError(f"--replay-plausibility-threshold {self.replay_plausibility_threshold}; use [0, 1]")
@@ -121,6 +129,13 @@ class RLConfig:
         resolve_rules(",".join(names), long_thought_tokens=self.feedback_long_thought_tokens)
 
     @property
+    def effort_weights(self):
+        """The length penalty's `rewards.EffortWeights` (`--length-penalty-weights`)."""
+        from .rewards import parse_effort_weights
+
+        return parse_effort_weights(self.length_penalty_weights)
+
+    @property
     def families(self) -> tuple:
         return tuple(f.strip() for f in self.task_families.split(",") if f.strip())
 
@@ -130,3 +145,22 @@ class RLConfig:
         if self.env == "single-turn":
             return self.max_new_tokens
         return self.token_budget or self.max_turns * self.max_new_tokens
+
+
+@dataclass(frozen=True)
+class AsyncConfig:
+    """The asynchronous services (`--async-rl`, rl/async_rl)."""
+
+    enabled: bool = False
+    ray_address: Optional[str] = None
+    max_inflight_groups: Optional[int] = None  # default: 2 x prompts_per_step
+    max_policy_lag: int = 2
+    synchronous_rollouts: bool = False
+    trainer_ranks: int = 1
+    inference_workers: int = 1
+    rollout_server: Optional[str] = None
+    env_workers: int = 1
+    group_timeout_s: float = 600.0
+    weight_sync_dtype: str = "bf16"
+    rollout_long_tail: Optional[float] = None
+

@@ -14,30 +14,12 @@ Sampling is greedy unless `--temperature` is given.
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import sys
 from typing import Optional
 
 from .agent import Agent, AgentConfig
-from .agentic import AgenticCodingEnv
-
-
-def summarize(results, tokenizer) -> dict:
-    """Mean metrics over episode results."""
-    n = max(1, len(results))
-    summaries = [s for r in results for s in r.trajectory.summaries]
-    stops = collections.Counter(r.trajectory.stop_reason for r in results)
-    row = {"tasks": len(results),
-           "solved": sum(r.verdict["all_pass"] for r in results) / n,
-           "correctness": sum(r.verdict["correctness"] for r in results) / n,
-           "tool misuse": sum(r.verdict["tool_misuse"] for r in results) / n,
-           "turns": sum(r.trajectory.counts.turns for r in results) / n,
-           "summaries": len(summaries) / n,
-           "summary tokens": (sum(len(tokenizer.encode(s)) for s in summaries) / len(summaries)) if summaries else 0.0,
-           "generated tokens": sum(r.trajectory.generated_tokens for r in results) / n}
-    row["stops"] = ", ".join(f"{k} {v}" for k, v in sorted(stops.items()))
-    return row
+from .agentic import AgenticCodingEnv, summarize
 
 
 def evaluate(engine, tokenizer, env: AgenticCodingEnv, config: AgentConfig, *, workers: int = 16) -> dict:

@@ -1,13 +1,17 @@
 """The policy loss as a plug-in of the shared training step (`training.loss_plugins`).
 
-`count` is the micro-batch's share of the step's one constant normalizer
-(`RLBatch.normalizer_share`), so the step's global count is that constant
+`count` is the micro-batch's share of the update's one constant normalizer
+(`RLBatch.normalizer_share`), so the update's global count is that constant
 and the loss is sum over every trained token / normalizer, whatever the
 split into micro-batches and ranks. `loss_sum` recomputes log pi(x_{t+1})
-from the logits and hands it to `algorithms.policy_gradient_loss`; the
-rollout was sampled by these very weights (synchronous RL), so old_logp is
-logp detached (ratio 1) and the sampler's log-probs enter only through
-truncated importance sampling. Per-token diagnostics are kept for the step's log.
+from the logits at the sampling temperature (log_softmax(z / T), the
+distribution the sampler drew from) and hands it to the policy loss.
+
+old_logp: the log-probs the trainer computed under the weights before the
+step's first update (`RLBatch.old_logp`, with `--ppo-mini-batches N > 1`);
+without them it is logp detached (ratio 1: one update on fresh rollouts),
+and the sampler's log-probs enter through truncated importance sampling.
+Per-token diagnostics are kept for the step's log.
 """
 from __future__ import annotations
 
@@ -20,12 +24,26 @@ from .algorithms import policy_gradient_loss
 from .config import RLConfig
 
 
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(z / T)[label] per row: logits [T, V], labels [T] -> [T] float32 (differentiable)."""
+    z = logits.float()
+    if temperature != 1.0:
+        z = z / temperature
+    return -F.cross_entropy(z, labels, reduction="none")
+
+
 @dataclass
 class PolicyLoss:
     cfg: RLConfig
     name: str = "policy loss"
     scale: float = 1.0
     stats: dict = field(default_factory=dict)
+
+    @property
+    def needs_old_logp(self) -> bool:
+        """Whether the loss needs the step's old log-probs even with one update (none does today: the
+        first update's old log-probs are its own, detached)."""
+        return False
 
     def count(self, batch, shift):
         return torch.tensor(float(batch.normalizer_share), device=batch.tokens.device)
@@ -34,15 +52,16 @@ class PolicyLoss:
         cfg = self.cfg
         logits = out.logits[0]  # [T, V]
         labels, mask = batch.labels[0], batch.loss_mask[0]
-        logp = -F.cross_entropy(logits.float(), labels, reduction="none")
+        logp = token_logprobs(logits, labels, cfg.temperature)
         kl_in_loss = cfg.kl_coef if cfg.kl_placement == "loss" else 0.0
         ref = batch.ref_logp[0] if batch.ref_logp is not None else None
         use_tis = cfg.tis_cap is not None
+        old_logp = batch.old_logp[0] if getattr(batch, "old_logp", None) is not None else logp.detach()
         loss, metrics = policy_gradient_loss(
-            logp, logp.detach(), batch.advantages[0], mask, normalizer=1.0,
+            logp, old_logp, batch.advantages[0], mask, normalizer=1.0,
             clip_eps_low=cfg.clip_eps_low, clip_eps_high=cfg.clip_eps_high,
             sampler_logp=batch.sampler_logp[0] if use_tis else None, tis_cap=cfg.tis_cap if use_tis else None,
-            logits=logits, ref_logp=ref, kl_coef=kl_in_loss, kl_kind=cfg.kl_kind)
+            logits=logits.float() / cfg.temperature, ref_logp=ref, kl_coef=kl_in_loss, kl_kind=cfg.kl_kind)
         keep = mask.bool()
         tokens = float(keep.sum())
         gap = (logp.detach() - batch.sampler_logp[0])[keep].abs()

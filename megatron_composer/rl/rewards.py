@@ -248,3 +248,44 @@ def score(samples: Iterable[Any], weights: Mapping[str, float],
     return (torch.tensor(totals, dtype=torch.float32),
             {name: torch.tensor(v, dtype=torch.float32) for name, v in values.items()})
 
+
+
+def reward_terms(rl) -> dict[str, RewardFn]:
+    """Every registered term, with "length" configured by an `RLConfig`'s length-penalty flags."""
+    config = LengthPenaltyConfig(k=rl.length_penalty_k, q=rl.length_penalty_q, weights=rl.effort_weights)
+    return {**REWARD_TERMS, "length": length_term(config)}
+
+
+def import_reward_modules(spec: str) -> None:
+    """Import each module of the comma list `spec` (`--reward-module`); importing registers its terms."""
+    import importlib
+
+    for name in (n.strip() for n in (spec or "").split(",")):
+        if not name:
+            continue
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise ValueError(f"--reward-module {name!r} cannot be imported ({exc}); put its package on "
+                             "PYTHONPATH (every Ray worker needs it too)") from None
+
+
+_EFFORT_KEYS = {"thinking": "thinking_tokens", "tool_call": "tool_call_tokens", "tool_output": "tool_output_tokens",
+                "final": "final_message_tokens", "tool_calls": "tool_calls", "turns": "turns"}
+
+
+def parse_effort_weights(spec: str) -> EffortWeights:
+    """`--length-penalty-weights thinking=1,tool_call=1,tool_output=1,final=1,tool_calls=0,turns=0`."""
+    values = {}
+    for item in (i.strip() for i in (spec or "").split(",")):
+        if not item:
+            continue
+        key, _, value = item.partition("=")
+        if key.strip() not in _EFFORT_KEYS:
+            raise ValueError(f"--length-penalty-weights: unknown weight {key.strip()!r}; use "
+                             f"{', '.join(_EFFORT_KEYS)}")
+        try:
+            values[_EFFORT_KEYS[key.strip()]] = float(value)
+        except ValueError:
+            raise ValueError(f"--length-penalty-weights: {item!r} needs a number, e.g. {key.strip()}=1") from None
+    return EffortWeights(**values)

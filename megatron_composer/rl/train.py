@@ -1,58 +1,86 @@
-"""`train_rl.py`'s body: parse, build, train."""
+"""`train_rl.py`'s body and the synchronous driver.
+
+    train_rl(argv)       parse once; the synchronous loop below, or with --async-rl the Ray services
+
+The synchronous driver only schedules; the step is `RLTrainer.train_on`, the
+rollouts `RLTrainer.rollouts` over the environment interface, the report
+`report.StepReport`. One step reads as one call chain:
+
+    train_sync -> RLTrainer.rollouts -> Environment.run_group -> RolloutBackend.generate
+               -> RLTrainer.train_on -> RLTrainer.prepare (score, pack, KL, advantages)
+               -> Trainer.update -> Trainer.forward_backward -> PolicyLoss.loss_sum -> loss.backward()
+"""
 from __future__ import annotations
 
 from typing import Optional
 
-from ..config import count_parameters
-from ..data import default_cpt_data
-from ..data.tokenizer import Tokenizer
-from ..parallel import ParallelLayout
-from ..platform import init_distributed
-from ..training.arguments import model_config_from_args
-from ..training.checkpointer import check_paths
-from ..training.logger import TrainingLogger
-from ..training.pretrain import saved_model_config
+import torch.distributed as dist
+
 from .arguments import parse_rl_args
+from .build import build_rl_trainer
+from .report import StepReport
+from .rollout import due
 from .trainer import RLTrainer
+
+LOG_KEYS = ("reward", "task all_pass", "policy loss", "grad norm", "completion length", "turns", "summaries",
+            "feedback hints", "feedback kl", "logp mismatch mean", "step seconds")
 
 
 def train_rl(argv: Optional[list[str]] = None):
     """Synchronous RL in this process (torchrun for more ranks), or with --async-rl the Ray services."""
-    args, _, _ = parse_rl_args(argv)
-    if args.async_rl:
+    run = parse_rl_args(argv)
+    if run.async_rl.enabled:
         from .async_rl.runner import run_async_rl
 
-        return run_async_rl(argv)
-    args, rl, trainer, log = build_rl_trainer(argv)
+        return run_async_rl(run)
+    trainer = build_rl_trainer(run)
     try:
         trainer.resume()
-        trainer.train()
+        train_sync(trainer)
     finally:
-        log.close()
+        trainer.log.close()
     return trainer
 
 
-def build_rl_trainer(argv: Optional[list[str]] = None):
-    """(args, RLConfig, RLTrainer, its logger) from train_rl.py's flags, on this rank's process group."""
-    args, cfg, rl = parse_rl_args(argv)
-    env = init_distributed(timeout_minutes=args.distributed_timeout_minutes)
-    check_paths(args.load, args.save)
-    tokenizer_model = args.tokenizer_model or default_cpt_data(args.data_cache_dir, progress=False).tokenizer_model
-    tokenizer = Tokenizer(tokenizer_model)
-    model_cfg = saved_model_config(args) or model_config_from_args(args)
-    if tokenizer.vocab_size > model_cfg.vocab_size:
-        model_cfg = model_cfg.replace(vocab_size=tokenizer.vocab_size)
-    layout = ParallelLayout.from_sizes(env.world_size, args, model_cfg.num_experts or None)
-    log = TrainingLogger(env.rank, tensorboard_dir=args.tensorboard_dir, wandb_project=args.wandb_project,
-                         wandb_name=args.wandb_exp_name, wandb_dir=args.wandb_save_dir)
-    trainer = RLTrainer(model_cfg, layout, cfg, rl, tokenizer, log=log)
-    counts = count_parameters(model_cfg)
-    what = (f"RL task {rl.task}: {len(trainer.prompts)} prompts" if trainer.env is None else
-            f"RL env {rl.env} ({rl.task_families}): {len(trainer.prompts)} tasks, up to {rl.max_turns} turns of "
-            f"{rl.max_new_tokens} tokens, summaries at {rl.summary_trigger_tokens or 'never'}")
-    log.print(f"> {what}, {rl.prompts_per_step} x {rl.group_size} "
-              f"samples per step, {rl.max_new_tokens} new tokens, advantage {rl.advantage}, "
-              f"kl {rl.kl_coef} ({rl.kl_kind} in the {rl.kl_placement}), router replay "
-              f"{'on' if trainer.replay is not None else 'off'}; model {counts.total / 1e6:.2f}M parameters, "
-              f"DP={trainer.dp_size} CP={layout.cp}")
-    return args, rl, trainer, log
+def train_sync(trainer: RLTrainer) -> StepReport:
+    """Sample, train, report until --train-iters: evaluate before the first step, every --eval-interval and
+    at the end; log every --log-interval; save every --save-interval and at the end."""
+    import time
+
+    cfg, rl, st = trainer.cfg, trainer.rl, trainer.state
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    report = StepReport(cfg.checkpoint.save if rank0 else None,
+                        f"{trainer.env.describe()}: {rl.prompts_per_step} x {rl.group_size} per step")
+    trainer.report = report
+    if cfg.checkpoint.save:
+        trainer.checkpoints.prepare_save_dir()
+    if st.iteration < cfg.train_iters:
+        _evaluate(trainer, report)  # where RL starts
+    while st.iteration < cfg.train_iters:
+        started = time.perf_counter()
+        samples = trainer.rollouts(st.iteration)
+        rollout_seconds = time.perf_counter() - started
+        metrics = trainer.train_on(samples)
+        metrics.update({"rollout seconds": rollout_seconds, "step seconds": time.perf_counter() - started})
+        report.step(dict(metrics, iteration=st.iteration))
+        if due(st.iteration, rl.eval_interval, -1) and st.iteration < cfg.train_iters:
+            _evaluate(trainer, report)
+        if due(st.iteration, cfg.log_interval, cfg.train_iters):
+            trainer.log.log(st.iteration, cfg.train_iters, {k: metrics[k] for k in LOG_KEYS if k in metrics},
+                            {f"rl/{k}": v for k, v in metrics.items()})
+            report.plot()
+        if cfg.checkpoint.save and due(st.iteration, cfg.checkpoint.save_interval, cfg.train_iters):
+            trainer.checkpoints.save()
+    _evaluate(trainer, report)
+    report.plot()
+    return report
+
+
+def _evaluate(trainer: RLTrainer, report: StepReport) -> None:
+    result = trainer.evaluate()
+    if result is None:
+        return
+    report.evaluation(dict(result, iteration=trainer.state.iteration))
+    trainer.log.print(f"> eval at step {trainer.state.iteration}: solved {result['eval solved']:.3f} of "
+                      f"{int(result['eval tasks'])} held-out tasks, correctness {result['eval correctness']:.3f}, "
+                      f"{result['eval turns']:.2f} turns")

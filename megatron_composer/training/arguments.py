@@ -224,6 +224,77 @@ def model_config_from_args(args) -> ModelConfig:
     return cfg
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """Where the model config comes from: the preset, the shape flags given explicitly, and --load's
+    saved architecture (`resolve_model_config`)."""
+
+    preset: str = "tiny"
+    overrides: tuple = ()  # (field, value) pairs of the explicit shape flags
+    load: Optional[str] = None
+
+    @classmethod
+    def from_args(cls, args) -> "ModelSource":
+        return cls(args.model_preset, tuple(sorted(explicit_model_overrides(args).items())), args.load)
+
+
+def resolve_model_config(source: ModelSource, vocab_size: int) -> ModelConfig:
+    """The one model-config resolver of both entry points: --load's saved architecture (else the preset)
+    with the explicit shape flags on top (so --mtp-num-layers 1 adds MTP to a checkpoint without it),
+    the vocabulary grown to the tokenizer's (the tiny preset takes the tokenizer's exactly)."""
+    from .. import checkpoint as ckpt
+    from ..config import model_config_from_dict
+    from ..config.stages import tokenizer_sets_vocab
+
+    overrides = dict(source.overrides)
+    cfg = None
+    if source.load and ckpt.load_target_kind(source.load) == "checkpoint":
+        meta = ckpt.read_meta(source.load)
+        if "model_config" in meta:
+            cfg = model_config_from_dict(meta["model_config"]).replace(**overrides)
+    if cfg is None:
+        cfg = dataclasses.replace(get_preset(source.preset), **overrides)
+        cfg.validate()
+    if vocab_size > cfg.vocab_size or (tokenizer_sets_vocab(source.preset) and vocab_size != cfg.vocab_size):
+        cfg = cfg.replace(vocab_size=vocab_size)
+    return cfg
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelSizes:
+    """The Megatron parallel-size flags (`parallel.ParallelLayout.from_sizes` reads these names)."""
+
+    tensor_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int = 1
+
+    @classmethod
+    def from_args(cls, args) -> "ParallelSizes":
+        return cls(**{f: getattr(args, f) for f in cls.__dataclass_fields__})
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingConfig:
+    """TensorBoard and wandb destinations (`training.logger.TrainingLogger`)."""
+
+    tensorboard_dir: Optional[str] = None
+    wandb_project: Optional[str] = None
+    wandb_exp_name: Optional[str] = None
+    wandb_save_dir: Optional[str] = None
+
+    @classmethod
+    def from_args(cls, args) -> "LoggingConfig":
+        return cls(**{f: getattr(args, f) for f in cls.__dataclass_fields__})
+
+    def logger(self, rank: int, **kwargs):
+        from .logger import TrainingLogger
+
+        return TrainingLogger(rank, tensorboard_dir=self.tensorboard_dir, wandb_project=self.wandb_project,
+                              wandb_name=self.wandb_exp_name, wandb_dir=self.wandb_save_dir, **kwargs)
+
+
 def parse_args(argv: Optional[list[str]] = None, parser: Optional[argparse.ArgumentParser] = None):
     """Parse and validate; raise ValueError naming the bad flag and value. `parser`: this
     module's parser with more flags (`train_rl.py` adds its own group)."""

@@ -5,36 +5,14 @@ from typing import Optional
 
 import torch
 
-from .. import checkpoint as ckpt
-from ..config import TrainingConfig, count_parameters, get_stage, model_config_from_dict
-from ..config.stages import tokenizer_sets_vocab
+from ..config import TrainingConfig, count_parameters, get_stage
 from ..parallel import ParallelLayout
 from ..platform import init_distributed
 from .checkpointer import check_paths
-from .arguments import explicit_model_overrides, model_config_from_args, parse_args
+from .arguments import ModelSource, parse_args, resolve_model_config
 from .data import build_datasets, stage_data
 from .logger import TrainingLogger
 from .trainer import Trainer, TrainingData
-
-
-def saved_model_config(args):
-    """The architecture stored in --load's checkpoint, with the shape flags given
-    explicitly on top (so --mtp-num-layers 1 adds MTP to a checkpoint without
-    it); None when there is nothing to load."""
-    if not args.load or ckpt.load_target_kind(args.load) != "checkpoint":
-        return None
-    meta = ckpt.read_meta(args.load)
-    if "model_config" not in meta:
-        return None
-    return model_config_from_dict(meta["model_config"]).replace(**explicit_model_overrides(args))
-
-
-def _model_config(args, vocab_size: int):
-    model_cfg = saved_model_config(args) or model_config_from_args(args)
-    if vocab_size > model_cfg.vocab_size or (tokenizer_sets_vocab(args.model_preset)
-                                             and vocab_size != model_cfg.vocab_size):
-        model_cfg = model_cfg.replace(vocab_size=vocab_size)
-    return model_cfg
 
 
 def _scalar_args(args) -> dict:
@@ -52,7 +30,7 @@ def pretrain(argv: Optional[list[str]] = None) -> Trainer:
               f"seq-length {args.seq_length}, world size {env.world_size} ({env.launcher}, "
               f"{'cuda' if torch.cuda.is_available() else 'cpu'})")
     data = stage_data(args, log.print)
-    model_cfg = _model_config(args, data.tokenizer.vocab_size)
+    model_cfg = resolve_model_config(ModelSource.from_args(args), data.tokenizer.vocab_size)
     train, valid = build_datasets(data, args, model_cfg.vocab_size)
     log.print(f"> data: {len(train)} training samples of {args.seq_length} tokens"
               + (f", {len(valid)} validation samples" if valid is not None else ""))

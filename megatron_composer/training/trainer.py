@@ -12,8 +12,11 @@ on the CPU), `parallel.parallelize` (DDP or dual-mesh HSDP),
 `optim.build_optimizer` (AdamW or Muon + AdamW, fp32 main weights under
 --bf16), the loss plug-ins.
 
-One optimizer step (`step()`):
-  1. read this DP rank's micro-batches for the global batch (deterministic
+One training step: `step()` reads the stage's data and hands it to
+`train_step(micro_batches)`, which any other loop (RL) calls with batches of
+its own; `update` is one optimizer update and `forward_backward` one
+micro-batch of it:
+  1. (`step`) read this DP rank's micro-batches for the global batch (deterministic
      in the number of consumed samples, so a resumed run reads the same data);
      under context parallelism each CP rank keeps its zigzag share; all of it
      on the host, then one non-blocking copy per micro-batch to the device;
@@ -122,6 +125,10 @@ class Trainer:
         self.loss_plugins = build_loss_plugins(model_cfg, cfg)
         self.state = TrainState()
         self.flops_per_token = training_flops_per_token(model_cfg, cfg.seq_length)
+        # What a composing loop (RL) adds, set once after construction, never overridden methods:
+        self.pre_forward: Optional[Callable[[Batch], None]] = None  # e.g. router replay's routes of the batch
+        self.extra_meta: dict = {}  # plain values saved in the checkpoint meta, restored by a full resume
+        self.extra_files: dict[str, bytes] = {}  # files saved inside each checkpoint (rank 0's)
         self.checkpoints = Checkpointer(self)
 
     def _build_model(self):
@@ -150,18 +157,19 @@ class Trainer:
     def state_dict(self) -> dict:
         """The loop's own state (model and optimizer are checkpointed beside it)."""
         st = self.state
-        return {"iteration": st.iteration, "consumed_samples": st.consumed_samples,
-                "skipped_iterations": st.skipped_iterations}
+        return dict(self.extra_meta, iteration=st.iteration, consumed_samples=st.consumed_samples,
+                    skipped_iterations=st.skipped_iterations)
 
     def extra_checkpoint_files(self) -> dict[str, bytes]:
-        """Files saved inside each checkpoint beside the model (rank 0's; none here, RL adds its buffer)."""
-        return {}
+        """Files saved inside each checkpoint beside the model (rank 0's; RL adds its buffer)."""
+        return dict(self.extra_files)
 
     def load_state_dict(self, state: dict) -> None:
         self.state.iteration = int(state["iteration"])
         self.state.consumed_samples = int(state["consumed_samples"])
         self.state.skipped_iterations = int(state.get("skipped_iterations", 0))
         self.state.consecutive_skipped = 0
+        self.extra_meta.update({k: state[k] for k in self.extra_meta if k in state})
 
     # ---- data ---------------------------------------------------------------
     def micro_batches(self, consumed_samples: int, dataset=None) -> list[Batch]:
@@ -188,6 +196,8 @@ class Trainer:
 
     # ---- one update ---------------------------------------------------------
     def forward(self, batch: Batch) -> ModelOutput:
+        if self.pre_forward is not None:
+            self.pre_forward(batch)
         logits, mtp_logits = composer_forward(self.model.module, batch.tokens, batch.position_ids,
                                               batch.packed_seq_params)
         return ModelOutput(logits, mtp_logits)
@@ -204,13 +214,26 @@ class Trainer:
             counts += torch.stack([p.count(batch, shift).double() for p in self.loss_plugins])
         return self._all_reduce_dp_cp(counts)
 
-    def step(self) -> StepResult:
+    def forward_backward(self, batch: Batch, shift, denominators: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of one device micro-batch; [num plug-ins] float64 loss sums (detached).
+
+        `denominators`: each plug-in's position count over the whole update (`global_counts`), so the
+        gradients of the micro-batches add up to the gradient of the update's per-position means."""
+        out = self.forward(batch)
+        sums = [p.loss_sum(batch, out, shift) for p in self.loss_plugins]
+        loss = sum(p.scale * s / n for p, s, n in zip(self.loss_plugins, sums, denominators))
+        if loss.requires_grad:
+            loss.backward()
+        return torch.stack([s.detach().double() for s in sums])
+
+    def update(self, micro_batches: list[Batch]) -> StepResult:
+        """One optimizer update on `micro_batches` (this rank's, on the host): steps 2-6 of the module
+        docstring. The loop state does not move (`advance`); RL's PPO mini-batches take several
+        updates per step."""
         start = time.perf_counter()
-        st = self.state
         self.model.train()
-        host = self.micro_batches(st.consumed_samples)
-        shifts = [self.shift_for(b) for b in host]  # plans read cu_seqlens on the host
-        batches = [b.to(self.device) for b in host]
+        shifts = [self.shift_for(b) for b in micro_batches]  # plans read cu_seqlens on the host
+        batches = [b.to(self.device) for b in micro_batches]
         counts = self.global_counts(batches, shifts)
         # fp32: the Python floats they replace entered the fp32 loss ops as fp32 too (exact: counts
         # < 2**24); no host sync before the forward
@@ -218,27 +241,36 @@ class Trainer:
         totals = torch.zeros(len(self.loss_plugins), dtype=torch.float64, device=self.device)
         self.model.zero_grad()
         for batch, shift in zip(batches, shifts):
-            out = self.forward(batch)
-            sums = [p.loss_sum(batch, out, shift) for p in self.loss_plugins]
-            loss = sum(p.scale * s / n for p, s, n in zip(self.loss_plugins, sums, denominators))
-            if loss.requires_grad:
-                loss.backward()
-            totals += torch.stack([s.detach().double() for s in sums])
+            totals += self.forward_backward(batch, shift, denominators)
         self.model.finalize_grads()
         totals = self._all_reduce_dp_cp(totals)
-        lr = self.optimizer.set_lr(st.iteration)
+        lr = self.optimizer.set_lr(self.state.iteration)
         applied, norm, _ = self.optimizer.step()
         self.model.update_expert_bias(applied)
         self.model.zero_grad()
-        st.iteration += 1
-        st.consumed_samples += self.global_batch_size
-        st.skipped_iterations += not applied
-        st.consecutive_skipped = 0 if applied else st.consecutive_skipped + 1
         totals, counts = torch.stack([totals, counts.clamp(min=1.0)]).tolist()  # the logged values
         losses = {p.name: (t / n) for p, t, n in zip(self.loss_plugins, totals, counts)}
-        result = StepResult(losses=losses, grad_norm=norm, tokens=self.global_batch_size * self.cfg.seq_length,
-                            skipped=not applied, lr=lr, seconds=time.perf_counter() - start)
+        return StepResult(losses=losses, grad_norm=norm, tokens=self.global_batch_size * self.cfg.seq_length,
+                          skipped=not applied, lr=lr, seconds=time.perf_counter() - start)
+
+    def advance(self, applied: bool, samples: int) -> None:
+        """The loop state after one training step of `samples` samples."""
+        st = self.state
+        st.iteration += 1
+        st.consumed_samples += samples
+        st.skipped_iterations += not applied
+        st.consecutive_skipped = 0 if applied else st.consecutive_skipped + 1
+
+    def train_step(self, micro_batches: list[Batch], *, samples: Optional[int] = None) -> StepResult:
+        """One training step on the micro-batches it is handed (this rank's, on the host): one update,
+        then the loop state moves on by `samples` (default: the global batch size)."""
+        result = self.update(micro_batches)
+        self.advance(not result.skipped, self.global_batch_size if samples is None else samples)
         return result
+
+    def step(self) -> StepResult:
+        """One step of the stage's own data: this rank's micro-batches of the next global batch."""
+        return self.train_step(self.micro_batches(self.state.consumed_samples))
 
     @torch.no_grad()
     def evaluate(self, dataset, iters: int) -> float:

@@ -4,5 +4,4 @@
     reconciler.py    sample slots, the policy-lag limit, the ready buffer and its checkpoint form
     services.py      the services as plain classes (Ray makes them actors)
     runner.py        the driver loop: launch, collect, train, sync, checkpoint, evaluate
-    report.py        async_rl.png
 """

@@ -26,7 +26,7 @@ The driver's loop (`AsyncRLRunner.run`):
 
 A dead trainer rank ends the job (its process group spans every rank): resume
 it from the last checkpoint. Metrics per step go to stdout, TensorBoard /
-wandb (rl/...), `async_rl_steps.jsonl` and `async_rl.png` in `--save`.
+wandb (rl/...), and `report.StepReport` in `--save` (rl_steps.jsonl, reward_curve.png, async_rl.png).
 """
 from __future__ import annotations
 
@@ -35,13 +35,12 @@ import os
 import time
 from typing import Callable, Optional
 
-from ..arguments import parse_rl_args
+from ..report import StepReport
+from ..rollout import due
 from .reconciler import Reconciler, decode_state, encode_state, token_lags
-from .services import EnvWorker, Evaluator, InferenceWorker, RemoteClient, RolloutSpec, ServerSync, TrainerWorker
+from .services import EnvWorker, Evaluator, InferenceWorker, RayBackend, RolloutSpec, ServerSync, TrainerWorker
 
-STEP_LOG = "async_rl_steps.jsonl"
 SERVICES_FILE = "async_rl_services.json"  # which process is which service (pids, for operators and tests)
-_DRIVER_ONLY_FLAGS = ("--tensorboard-dir", "--wandb-project", "--wandb-exp-name", "--wandb-save-dir")
 
 
 def _ray():
@@ -53,29 +52,18 @@ def _ray():
     return ray
 
 
-def trainer_argv(argv: list[str]) -> list[str]:
-    """train_rl.py's flags for a trainer rank: the driver keeps the loggers."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-            continue
-        if a in _DRIVER_ONLY_FLAGS:
-            skip = True
-            continue
-        if a.split("=", 1)[0] in _DRIVER_ONLY_FLAGS:
-            continue
-        out.append(a)
-    return out
-
-
 class AsyncRLRunner:
     """The driver (module docstring). `on_step(runner, metrics)`: called after each step (tests inject faults)."""
 
-    def __init__(self, argv: list[str], *, on_step: Optional[Callable] = None):
+    def __init__(self, run, *, on_step: Optional[Callable] = None):
+        """`run`: the parsed `rl.arguments.RLRunConfig` (or train_rl.py's argv, parsed here)."""
         ray = self.ray = _ray()
-        self.args, self.cfg, self.rl = parse_rl_args(argv)
-        args, rl = self.args, self.rl
+        if isinstance(run, (list, tuple)):
+            from ..arguments import parse_rl_args
+
+            run = parse_rl_args(list(run))
+        self.run_config, self.cfg, self.rl = run, run.training, run.rl
+        args, rl = run.async_rl, self.rl  # args: the asynchronous services section
         self.on_step = on_step
         if not ray.is_initialized():
             if args.ray_address:
@@ -90,11 +78,10 @@ class AsyncRLRunner:
         world = args.trainer_ranks
         per_gpu = {"num_gpus": 1} if gpus >= world + args.inference_workers else {"num_gpus": 0}
         trainer_cls = ray.remote(num_cpus=0, **per_gpu)(TrainerWorker)
-        targv = trainer_argv(list(argv))
         # torch threads: the inference workers keep one core each; more threads than cores make every
         # service crawl (intra-op pools spin)
         threads = max(1, (cores - args.inference_workers) // world)
-        self.trainers = [trainer_cls.remote(targv, r, world, threads=threads,
+        self.trainers = [trainer_cls.remote(run, r, world, threads=threads,
                                             weight_dtype=args.weight_sync_dtype) for r in range(world)]
         master, port = ray.get(self.trainers[0].address.remote())
         ray.get([t.setup.remote(master, port) for t in self.trainers])
@@ -114,7 +101,7 @@ class AsyncRLRunner:
         env_cls = ray.remote(**restart)(EnvWorker)
         self.envs = [env_cls.options(max_concurrency=4 * rl.prompts_per_step + 4).remote(
             spec, None if args.rollout_server else
-            RemoteClient(self.inference[i % len(self.inference)], timeout_s=args.group_timeout_s))
+            RayBackend(self.inference[i % len(self.inference)], timeout_s=args.group_timeout_s))
             for i in range(args.env_workers)]
         self.evaluator = None
         if rl.eval_tasks and rl.env == "agentic-coding":
@@ -125,14 +112,12 @@ class AsyncRLRunner:
         if info["buffer"] is not None:
             self.reconciler.load_state_dict(decode_state(info["buffer"]))
         self.save_dir = self.cfg.checkpoint.save
-        from ...training.logger import TrainingLogger
-
-        self.log = TrainingLogger(0, tensorboard_dir=args.tensorboard_dir, wandb_project=args.wandb_project,
-                                  wandb_name=args.wandb_exp_name, wandb_dir=args.wandb_save_dir)
-        self.history: list[dict] = []
-        self.eval_history: list[dict] = []
+        self.log = run.logging.logger(0)
         self.expired: set = set()  # group refs whose worker was killed for running past the timeout
         self.job = f"{os.getpid()}-{int(time.time())}"  # tells this job's rows in the step log from a resumed one's
+        self.report = StepReport(self.save_dir, f"async {rl.env}: {rl.prompts_per_step} x {rl.group_size} per step",
+                                 job=self.job)
+        self.history, self.eval_history = self.report.history, self.report.eval_history
         self.log.print(f"> async RL: {world} trainer rank(s), {len(self.inference)} inference worker(s), "
                        f"{len(self.envs)} environment worker(s), evaluator {'on' if self.evaluator else 'off'}; "
                        f"{inflight} groups in flight, policy lag <= {args.max_policy_lag}"
@@ -186,7 +171,7 @@ class AsyncRLRunner:
         ray.get([t.prepare_save_dir.remote() for t in self.trainers])
         self.sync_all(self.subscribers())
         self.write_services()
-        ray.get([w.reset_stats.remote() for w in self.inference if not self.args.rollout_server] +
+        ray.get([w.reset_stats.remote() for w in self.inference if not self.run_config.async_rl.rollout_server] +
                 [t.start_clock.remote() for t in self.trainers])
         pending: dict = {}  # ObjectRef -> (group id, env worker, launch time)
         self.pushes: list = []  # (subscriber, ObjectRef of its update_weights)
@@ -249,7 +234,7 @@ class AsyncRLRunner:
         pushes = [(w, w.update_weights.remote(update_ref)) for w in self.subscribers()]
         wall = time.perf_counter() - started
         stats = []
-        for w in [] if self.args.rollout_server else self.inference:
+        for w in [] if self.run_config.async_rl.rollout_server else self.inference:
             try:
                 stats.append(ray.get(w.stats.remote(), timeout=60))
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
@@ -265,10 +250,8 @@ class AsyncRLRunner:
                       "staleness mean": sum(lags) / max(1, len(lags)), "staleness max": float(max(lags, default=0)),
                       "staleness": {str(k): lags.count(k) / max(1, len(lags)) for k in sorted(set(lags))},
                       "groups stale": float(rec.stats["stale"]), "groups failed": float(rec.stats["failed"])})
-        self.history.append(row)
         self._log_step(row)
-        interval = self.cfg.checkpoint.save_interval
-        if self.save_dir and interval and self.version % interval == 0:
+        if self.save_dir and due(self.version, self.cfg.checkpoint.save_interval, -1):
             self.save()
         if self.on_step is not None:
             self.on_step(self, row)
@@ -280,14 +263,11 @@ class AsyncRLRunner:
         scalars = {f"rl/{k}": v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         scalars.update({f"rl/staleness fraction lag {k}": v for k, v in row["staleness"].items()})
         self.log.log(self.version, self.train_iters, line, scalars)
-        if self.save_dir:
-            os.makedirs(self.save_dir, exist_ok=True)
-            with open(os.path.join(self.save_dir, STEP_LOG), "a") as f:
-                f.write(json.dumps(dict(row, job=self.job)) + "\n")
+        self.report.step(row)
 
     def _expire(self, pending: dict) -> None:
         """Groups past --group-timeout-s: their worker is killed (Ray restarts it) and they are relaunched."""
-        now, limit = time.monotonic(), self.args.group_timeout_s
+        now, limit = time.monotonic(), self.run_config.async_rl.group_timeout_s
         for ref, (gid, env, launched) in list(pending.items()):
             if now - launched > limit and ref not in self.expired:
                 self.expired.add(ref)
@@ -328,7 +308,9 @@ class AsyncRLRunner:
                 snap = self.trainers[0].snapshot.remote()  # Ray restarted it without weights
                 self.pushes.append((self.evaluator, self.evaluator.update_weights.remote(snap)))
                 continue
-            self.eval_history.append(result)
+            if result is None:
+                continue
+            self.report.evaluation(result)
             self.log.print(f"> eval of weights version {result['iteration']}: solved {result['eval solved']:.3f} "
                            f"of {int(result['eval tasks'])} held-out tasks, correctness "
                            f"{result['eval correctness']:.3f}")
@@ -359,27 +341,20 @@ class AsyncRLRunner:
         return out
 
     def plot(self) -> Optional[str]:
-        if not self.save_dir or not self.history:
-            return None
-        from .report import plot_async_run
-
-        return plot_async_run(self.history, self.eval_history, os.path.join(self.save_dir, "async_rl.png"))
+        return self.report.plot()
 
     def shutdown(self) -> None:
         for actor in self.trainers + self.inference + self.envs + ([self.evaluator] if self.evaluator else []):
             self.ray.kill(actor, no_restart=True)
 
 
-def run_async_rl(argv: Optional[list[str]] = None) -> dict:
+def run_async_rl(run) -> dict:
     """train_rl.py --async-rl: build, run, shut the actors down. An error inside an actor (a bad flag, a
     missing checkpoint) is raised here as itself, not wrapped in Ray's traceback."""
-    import sys
-
     ray = _ray()
-    argv = list(sys.argv[1:] if argv is None else argv)
     runner = None
     try:
-        runner = AsyncRLRunner(argv)
+        runner = AsyncRLRunner(run)
         return runner.run()
     except ray.exceptions.RayTaskError as exc:
         cause = getattr(exc, "cause", None)

@@ -16,13 +16,14 @@ them in processes and restarts the stateless ones (`max_restarts`).
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import time
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
+from ..backends import BackendCapabilities, RolloutBackend
+from ..rollout import renumber
 from .reconciler import Group
 from .weight_sync import WeightPublisher, WeightSubscriber, WeightUpdate, bit_view
 
@@ -35,13 +36,16 @@ def _threads(n: int) -> None:
 
 
 class TrainerWorker:
-    """One training rank (module docstring). `argv`: train_rl.py's flags."""
+    """One training rank (module docstring). `run`: the parsed `rl.arguments.RLRunConfig`."""
 
     BUFFER_FILE = "rl_buffer.pt"
 
-    def __init__(self, argv: Sequence[str], rank: int, world_size: int, *, threads: int = 1,
-                 weight_dtype: str = "bf16"):
-        self.argv, self.rank, self.world_size, self.threads = list(argv), rank, world_size, threads
+    def __init__(self, run, rank: int, world_size: int, *, threads: int = 1, weight_dtype: str = "bf16"):
+        # the driver keeps the loggers (TensorBoard, wandb)
+        from ...training.arguments import LoggingConfig
+
+        self.run = dataclasses.replace(run, logging=LoggingConfig())
+        self.rank, self.world_size, self.threads = rank, world_size, threads
         self.publisher = WeightPublisher(_DTYPES[weight_dtype]) if rank == 0 else None
 
     def address(self) -> tuple[str, int]:
@@ -64,9 +68,10 @@ class TrainerWorker:
                           LOCAL_WORLD_SIZE=str(self.world_size), MASTER_ADDR=master_addr,
                           MASTER_PORT=str(master_port))
         _threads(self.threads)
-        from ..train import build_rl_trainer
+        from ..build import build_rl_trainer
 
-        self.args, self.rl, self.trainer, self.log = build_rl_trainer(self.argv)
+        self.trainer = build_rl_trainer(self.run)
+        self.rl, self.log = self.trainer.rl, self.trainer.log
         self.trainer.resume()
         self.idle_since = time.perf_counter()
 
@@ -83,7 +88,7 @@ class TrainerWorker:
         resumed = self._resumed_buffer()
         return {"model_config": dataclasses.asdict(t.model_cfg), "tokenizer_model": str(t.tokenizer.model_path),
                 "seq_length": min(t.cfg.seq_length, t.model_cfg.max_position_embeddings),
-                "iteration": t.state.iteration, "train_iters": t.cfg.train_iters, "tasks": len(t.prompts),
+                "iteration": t.state.iteration, "train_iters": t.cfg.train_iters, "tasks": len(t.env.pool),
                 "seed": t.cfg.seed, "buffer": resumed}
 
     def _resumed_buffer(self) -> Optional[bytes]:
@@ -113,7 +118,7 @@ class TrainerWorker:
     def train_step(self, groups: list[Group]) -> tuple[dict, Optional[WeightUpdate]]:
         """One policy update on one step's groups; (metrics, the new weights' update on rank 0)."""
         waited = time.perf_counter() - self.idle_since
-        samples = renumber(groups, self.rl.group_size)
+        samples = renumber(groups, self.rl.group_size)  # the step's groups 0 .. prompts_per_step - 1
         metrics = self.trainer.train_on(samples)
         metrics["trainer wait seconds"] = waited
         metrics["trained groups"] = [g.group_id for g in groups]
@@ -126,7 +131,7 @@ class TrainerWorker:
 
     def save(self, buffer: bytes) -> str:
         """A checkpoint of this iteration with the reconciler's state inside (collective over ranks)."""
-        self.trainer.checkpoint_files[self.BUFFER_FILE] = buffer
+        self.trainer.trainer.extra_files[self.BUFFER_FILE] = buffer
         self.trainer.checkpoints.save()
         from ...checkpoint import iteration_dir
 
@@ -138,18 +143,6 @@ class TrainerWorker:
 
     def close(self) -> None:
         self.log.close()
-
-
-def renumber(groups: Sequence[Group], group_size: int) -> list:
-    """The samples of `groups` as one step's: group k of the step is groups[k], trajectories k * G + i."""
-    samples = []
-    for k, g in enumerate(groups):
-        first = {}
-        for s in g.samples:
-            first.setdefault(s.trajectory, len(first))
-        for s in g.samples:
-            samples.append(dataclasses.replace(s, group=k, trajectory=k * group_size + first[s.trajectory]))
-    return samples
 
 
 def build_engine(model_config: dict, *, max_model_len: int, max_batch_size: int, tokenizer=None):
@@ -219,8 +212,11 @@ class InferenceWorker:
         self.started = time.perf_counter()
 
 
-class RemoteClient:
-    """A `RolloutClient` over an inference worker's Ray handle (the agent calls `generate`)."""
+class RayBackend(RolloutBackend):
+    """A `RolloutBackend` over an inference worker's Ray handle (the environments call `generate`)."""
+
+    name = "ray"
+    capabilities = BackendCapabilities(routed_experts=True, truncated_logprobs=True, policy_versions=True)
 
     def __init__(self, handle, timeout_s: Optional[float] = None):
         self.handle, self.timeout_s = handle, timeout_s
@@ -229,6 +225,11 @@ class RemoteClient:
         import ray
 
         return ray.get(self.handle.generate.remote(prompts, params), timeout=self.timeout_s)
+
+    def update_weights(self, source, version=None):
+        import ray
+
+        return ray.get(self.handle.update_weights.remote(source))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,115 +247,59 @@ class RolloutSpec:
 
 
 class EnvWorker:
-    """Runs whole groups against an inference client (module docstring)."""
+    """Runs whole groups of the `--env` environment against a rollout backend (module docstring)."""
 
-    def __init__(self, spec: RolloutSpec, client=None, threads: int = 1):
-        """`client`: a `RolloutClient` (an inference worker's `RemoteClient`); None: HTTP to spec.server_url."""
+    def __init__(self, spec: RolloutSpec, backend=None, threads: int = 1):
+        """`backend`: a `RolloutBackend` (an inference worker's `RayBackend`); None: HTTP to spec.server_url."""
         _threads(threads)
         from ...data.tokenizer import Tokenizer
+        from ..environments import build_environment
+        from ..feedback import build_rules
+        from ..rewards import import_reward_modules
 
-        if client is None:
-            from ...inference.client import HTTPRolloutClient
+        import_reward_modules(spec.rl.reward_module)  # terms registered by user code, in this process too
+        if backend is None:
+            from ..backends import HTTPBackend
 
-            client = HTTPRolloutClient(spec.server_url, max_concurrency=max(8, 4 * spec.rl.group_size))
-        self.spec, self.client, self.rl = spec, client, spec.rl
+            backend = HTTPBackend(spec.server_url, max_concurrency=max(8, 4 * spec.rl.group_size))
+        self.spec, self.backend, self.rl = spec, backend, spec.rl
         self.tokenizer = Tokenizer(spec.tokenizer_model)
-        if self.rl.env == "agentic-coding":
-            from ..agent import Agent
-            from ..agentic import AgenticCodingEnv
-            from ..trainer import agent_config, fitting_tasks
-
-            self.sandbox_kwargs = {"timeout_s": self.rl.sandbox_timeout_s}
-            self.env = AgenticCodingEnv(self.rl.families, split=spec.split, sandbox_kwargs=self.sandbox_kwargs)
-            self.agent = Agent(client, self.tokenizer, agent_config(self.rl, spec.seq_length,
-                                                                    routed_experts=self.rl.router_replay))
-            self.pool = fitting_tasks(self.rl, self.env, self.agent, spec.seq_length)
-            from ..feedback import build_rules
-
-            self.feedback_rules = build_rules(self.rl, client=client, tokenizer=self.tokenizer)
-        else:
-            from ..tasks import get_task
-            from ..trainer import fitting_prompts
-
-            self.task = get_task(self.rl.task)
-            self.pool = fitting_prompts(self.rl, self.task, self.tokenizer, spec.seq_length)
-        if len(self.pool) != spec.tasks:
-            raise RuntimeError(f"internal: this environment worker sees {len(self.pool)} tasks, the trainer "
+        self.env = build_environment(self.rl, self.tokenizer, spec.seq_length, split=spec.split,
+                                     long_tail=spec.long_tail)
+        if hasattr(self.env, "set_feedback_rules"):
+            self.env.set_feedback_rules(build_rules(self.rl, client=backend, tokenizer=self.tokenizer))
+        if len(self.env.pool) != spec.tasks:
+            raise RuntimeError(f"internal: this environment worker sees {len(self.env.pool)} tasks, the trainer "
                                f"{spec.tasks}")
 
     def pid(self) -> int:
         return os.getpid()
 
-    def seed(self, group_id: int, index: int) -> int:
-        return (self.spec.seed * 1_000_003 + group_id * self.rl.group_size + index) % (2 ** 63)
-
     def run_group(self, group_id: int, launched_version: int) -> Group:
-        rl = self.rl
-        task = self.pool[group_id % len(self.pool)]
-        seeds = [self.seed(group_id, i) for i in range(rl.group_size)]
-        if rl.env == "agentic-coding":
-            from ..trainer import episode_samples
-
-            results = self.env.episodes(self.agent, [(task, s) for s in seeds], max_workers=rl.episode_workers)
-            samples = episode_samples(results, [group_id] * rl.group_size, rl.group_size, self.tokenizer,
-                                      self.feedback_rules, rl.feedback_hint_role)
-        else:
-            samples = self._single_turn(group_id, task, seeds)
+        samples = self.env.run_group(self.backend, group_id, self.env.seeds(self.spec.seed, group_id))
         return Group(group_id, samples, launched_version)
-
-    def _single_turn(self, group_id: int, task, seeds: list[int]) -> list:
-        import concurrent.futures
-
-        from ...inference import SamplingParams
-        from ..trainer import completion_sample
-
-        rl, tok = self.rl, self.tokenizer
-        prompt, ids = task
-        lengths = [rl.max_new_tokens] * len(seeds)
-        stop = (tok.chat["end"], tok.eod)
-        if self.spec.long_tail:  # a long-tailed length per sample (benchmark): Pareto, median ~ max / 8
-            import random
-
-            rng = random.Random(seeds[0])
-            lengths = [max(1, min(rl.max_new_tokens, math.ceil(rl.max_new_tokens / 8 * rng.paretovariate(
-                self.spec.long_tail)))) for _ in seeds]
-            stop = ()
-        params = [SamplingParams(max_tokens=n, temperature=rl.temperature, top_p=rl.top_p, seed=s,
-                                 stop_token_ids=stop, logprobs=True, return_routed_experts=rl.router_replay)
-                  for n, s in zip(lengths, seeds)]
-        with concurrent.futures.ThreadPoolExecutor(len(params)) as pool:  # one batch in the engine
-            outs = list(pool.map(lambda p: self.client.generate([ids], p)[0], params))
-        return [completion_sample(group_id, i, out, tok, self.task, prompt) for i, out in enumerate(outs)]
 
 
 class Evaluator(InferenceWorker):
-    """Held-out greedy episodes on its own engine; `evaluate(update)` scores the given weights."""
+    """Held-out greedy episodes on its own engine; `evaluate()` scores the weights it has now."""
 
     def __init__(self, spec: RolloutSpec, model_config: dict, *, count: int, threads: int = 1):
         super().__init__(model_config, spec.tokenizer_model, max_model_len=spec.seq_length,
                          max_batch_size=max(1, spec.rl.episode_workers), threads=threads)
-        from ..agent import Agent
-        from ..agentic import AgenticCodingEnv
-        from ..trainer import agent_config
+        from ..backends import EngineBackend
+        from ..environments import build_environment
 
-        rl = spec.rl
-        self.env = AgenticCodingEnv(rl.families, split="eval", count=count,
-                                    sandbox_kwargs={"timeout_s": rl.sandbox_timeout_s})
-        self.agent = Agent(self.engine, self.tokenizer, agent_config(rl, spec.seq_length, routed_experts=False,
-                                                                     temperature=0.0))
-        self.workers = rl.episode_workers
+        self.env = build_environment(spec.rl, self.tokenizer, spec.seq_length, split="eval", count=count)
+        self.backend = EngineBackend(self.engine)
+        self.workers = spec.rl.episode_workers
 
-    def evaluate(self) -> dict:
+    def evaluate(self) -> Optional[dict]:
         """Greedy episodes of the held-out tasks on the weights this evaluator has now."""
         if self.subscriber.version is None:
             raise RuntimeError("the evaluator has no weights yet (it started or restarted)")
         version = self.subscriber.version
-        tasks = self.env.tasks()
-        results = self.env.episodes(self.agent, [(t, i) for i, t in enumerate(tasks)], max_workers=self.workers)
-        n = max(1, len(results))
-        return {"iteration": version, "eval solved": sum(r.verdict["all_pass"] for r in results) / n,
-                "eval correctness": sum(r.verdict["correctness"] for r in results) / n,
-                "eval turns": sum(r.trajectory.counts.turns for r in results) / n, "eval tasks": float(len(results))}
+        result = self.env.evaluate(self.backend, workers=self.workers)
+        return None if result is None else dict(result, iteration=version)
 
 
 class ServerSync:

@@ -1,0 +1,157 @@
+"""Where RL's rollouts come from: the `RolloutBackend` interface and its registry.
+
+A backend is token ids in, token ids out:
+
+    generate(prompts, params)   one `inference.Completion` per prompt: generated ids, the sampler's
+                                per-token log-probs (at the sampling temperature), the policy version
+                                of every token, and the routed experts where the backend records them
+    update_weights(source, v)   new weights (a state dict, a weight-sync update, or None for weights
+                                shared in process), tagged with version v
+    pause() / resume()          hold new scheduling around an in-flight update (sequences in flight
+                                keep their cache and continue on the new weights after `resume`)
+
+`capabilities` says what a backend returns, so the RL loop checks its flags
+once at start-up (router replay needs routed experts; top-p / top-k below the
+full vocabulary need the truncated distribution's log-probs).
+
+Registered here: `engine` (our engine in this process, sharing the trainer's
+weights: laptops, tests, the exactness reference) and `http` (a server of
+ours, vLLM or SGLang behind `inference.HTTPRolloutClient`). The async
+services add a Ray actor's handle (`async_rl.services.RayBackend`). A vLLM
+or SGLang backend driven some other way is one more `@register_backend`
+class; nothing outside this module branches on which backend runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+from ..inference import SamplingParams
+from ..inference.params import Completion
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendCapabilities:
+    routed_experts: bool  # returns the experts every token was routed to (router replay, R3)
+    truncated_logprobs: bool  # returns log-probs of the top-p / top-k truncated distribution it sampled
+    policy_versions: bool  # tags every generated token with the weights version that produced it
+
+
+class RolloutBackend:
+    """The interface (module docstring). Subclasses implement `generate` and `update_weights`."""
+
+    name = "abstract"
+    capabilities = BackendCapabilities(routed_experts=False, truncated_logprobs=False, policy_versions=False)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        raise NotImplementedError
+
+    def update_weights(self, source, version: Optional[int] = None) -> int:
+        raise NotImplementedError
+
+    def pause(self) -> None:
+        """Stop scheduling new decode steps until `resume` (no-op where the backend swaps atomically)."""
+
+    def resume(self) -> None:
+        """Resume after `pause`."""
+
+    def start(self) -> None:
+        """Begin serving concurrent callers (threads); `stop` ends it. No-op for remote backends."""
+
+    def stop(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.stop()
+
+
+BACKENDS: dict[str, Callable[..., RolloutBackend]] = {}
+
+
+def register_backend(name: str):
+    """Class decorator: make a `RolloutBackend` buildable by `name` (`--rollout-backend`)."""
+
+    def add(cls):
+        if name in BACKENDS:
+            raise ValueError(f"rollout backend {name!r} is registered twice ({BACKENDS[name].__name__}, "
+                             f"{cls.__name__}); pick another name")
+        cls.name = name
+        BACKENDS[name] = cls
+        return cls
+
+    return add
+
+
+def get_backend(name: str) -> Callable[..., RolloutBackend]:
+    if name not in BACKENDS:
+        raise ValueError(f"rollout backend {name!r} is not registered; use one of {', '.join(sorted(BACKENDS))}")
+    return BACKENDS[name]
+
+
+@register_backend("engine")
+class EngineBackend(RolloutBackend):
+    """Our `inference.Engine` in this process. Colocated with the trainer it shares the model object, so
+    `update_weights(None, version)` only moves the version on; a state dict or a delta is swapped in
+    between two decode steps."""
+
+    capabilities = BackendCapabilities(routed_experts=True, truncated_logprobs=True, policy_versions=True)
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def generate(self, prompts, params):
+        return self.engine.generate(prompts, params)
+
+    def update_weights(self, source, version=None):
+        return self.engine.update_weights(source, version=version)
+
+    def pause(self):
+        self.engine.pause()
+
+    def resume(self):
+        self.engine.resume()
+
+    def start(self):
+        self.engine.start()
+
+    def stop(self):
+        self.engine.stop()
+
+
+@register_backend("http")
+class HTTPBackend(RolloutBackend):
+    """An OpenAI-compatible server (ours, vLLM or SGLang) through `inference.HTTPRolloutClient`. Our server
+    returns routed experts and per-token versions; what vLLM and SGLang return is the client's docstring."""
+
+    def __init__(self, url: str, *, max_concurrency: int = 16, client=None):
+        from ..inference.client import HTTPRolloutClient
+
+        self.client = client or HTTPRolloutClient(url, max_concurrency=max_concurrency)
+        ours = self.client.flavor == "megatron-composer"
+        self.capabilities = BackendCapabilities(routed_experts=ours, truncated_logprobs=False, policy_versions=ours)
+
+    @property
+    def flavor(self) -> str:
+        return self.client.flavor
+
+    def generate(self, prompts, params):
+        return self.client.generate(prompts, params)
+
+    def update_weights(self, source, version=None):
+        return self.client.update_weights(source, version=version)
+
+    def close(self):
+        self.client.close()
+
+
+def check_backend(backend: RolloutBackend, *, router_replay: bool, top_p: float, top_k: int = 0) -> None:
+    """Refuse RL settings the backend cannot serve exactly (raises ValueError naming the fix)."""
+    caps = backend.capabilities
+    if router_replay and not caps.routed_experts:
+        raise ValueError(f"router replay needs the routed experts of every token; the {backend.name} backend "
+                         f"does not return them; use --no-router-replay or a backend that does (engine, our server)")
+    if (top_p < 1.0 or top_k > 0) and not caps.truncated_logprobs:
+        raise ValueError(f"--top-p {top_p} / top-k {top_k} truncate the sampling distribution, but the "
+                         f"{backend.name} backend returns no log-probs of the truncated distribution, and the "
+                         f"trainer's log-probs are over the full vocabulary: a silent off-policy bias; use "
+                         f"--top-p 1.0 (RL samples the full distribution)")

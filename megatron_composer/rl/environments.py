@@ -1,0 +1,191 @@
+"""RL environments behind one interface, chosen by name (`--env`).
+
+    env = build_environment(rl, tokenizer, seq_length)      # rl: RLConfig, split "train"
+    env.pool                                   # the tasks that fit the context; group g runs pool[g % len]
+    env.run_group(backend, group_id, seeds)    # one group's scored samples (`batches.RolloutSample`)
+    env.evaluate(backend, workers=...)         # greedy held-out episodes -> metrics, or None
+
+Registered: `single-turn` (one completion per sample of a `--task` prompt,
+scored by the task's verifier) and `agentic-coding` (multi-turn tool use in
+a sandbox on `--task-families`, one sample per segment of a trajectory,
+textual-feedback hints attached). Both drivers, the synchronous loop and the
+asynchronous environment workers, only call this interface; nothing outside
+this module branches on which environment runs. A new environment is one
+more `@register_environment` class.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import math
+import random
+from typing import Callable, Optional
+
+from .batches import RolloutSample
+from .rollout import completion_sample, episode_samples, sample_seed, sampling_params
+
+ENVIRONMENTS: dict[str, Callable[..., "Environment"]] = {}
+
+
+def register_environment(name: str):
+    def add(cls):
+        if name in ENVIRONMENTS:
+            raise ValueError(f"environment {name!r} is registered twice ({ENVIRONMENTS[name].__name__}, "
+                             f"{cls.__name__}); pick another name")
+        cls.name = name
+        ENVIRONMENTS[name] = cls
+        return cls
+
+    return add
+
+
+def build_environment(rl, tokenizer, seq_length: int, *, split: str = "train", count: Optional[int] = None,
+                      long_tail: Optional[float] = None) -> "Environment":
+    """The `rl.env` environment (`--env`) for contexts of `seq_length` tokens."""
+    if rl.env not in ENVIRONMENTS:
+        raise ValueError(f"--env {rl.env!r}; use one of {', '.join(sorted(ENVIRONMENTS))}")
+    return ENVIRONMENTS[rl.env](rl, tokenizer, seq_length, split=split, count=count, long_tail=long_tail)
+
+
+class Environment:
+    """The interface (module docstring)."""
+
+    name = "abstract"
+
+    def __init__(self, rl, tokenizer, seq_length: int, *, split: str = "train", count: Optional[int] = None,
+                 long_tail: Optional[float] = None):
+        self.rl, self.tokenizer, self.seq_length = rl, tokenizer, seq_length
+        self.split, self.count, self.long_tail = split, count, long_tail
+        self.pool: list = []
+
+    def seeds(self, seed: int, group_id: int) -> list[int]:
+        return [sample_seed(seed, group_id, i, self.rl.group_size) for i in range(self.rl.group_size)]
+
+    def task_of(self, group_id: int):
+        return self.pool[group_id % len(self.pool)]
+
+    def run_group(self, backend, group_id: int, seeds: list[int]) -> list[RolloutSample]:
+        raise NotImplementedError
+
+    def evaluate(self, backend, *, workers: int, shard: tuple[int, int] = (0, 1)) -> Optional[dict]:
+        """Greedy held-out metrics ("eval solved", ..., "eval tasks") of this environment's tasks
+        `rank::world` (`shard`), or None where the environment has no held-out evaluation."""
+        return None
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+    def _room(self) -> int:
+        return self.seq_length - self.rl.max_new_tokens
+
+    def _no_fit(self, what: str) -> ValueError:
+        return ValueError(f"no {what} fits --seq-length {self.seq_length} with --max-new-tokens "
+                          f"{self.rl.max_new_tokens}; raise --seq-length or lower --max-new-tokens")
+
+
+@register_environment("single-turn")
+class SingleTurnEnvironment(Environment):
+    """One completion per sample of a `--task` prompt rendered with the chat template."""
+
+    def __init__(self, rl, tokenizer, seq_length, **kwargs):
+        super().__init__(rl, tokenizer, seq_length, **kwargs)
+        from ..data.sft import render_chat
+        from .tasks import get_task
+
+        self.task = get_task(rl.task)
+        for prompt in self.task.prompts():
+            ids = render_chat(list(prompt.messages), tokenizer, add_generation_prompt=True)[0]
+            if len(ids) <= self._room():
+                self.pool.append((prompt, ids))
+        if not self.pool:
+            raise self._no_fit(f"{rl.task} prompt")
+
+    def run_group(self, backend, group_id, seeds):
+        rl, tok = self.rl, self.tokenizer
+        prompt, ids = self.task_of(group_id)
+        lengths, stop = [rl.max_new_tokens] * len(seeds), (tok.chat["end"], tok.eod)
+        if self.long_tail:  # benchmarks: a long-tailed length per sample (Pareto, median ~ max / 8), no stop
+            rng = random.Random(seeds[0])
+            lengths = [max(1, min(rl.max_new_tokens, math.ceil(rl.max_new_tokens / 8 * rng.paretovariate(
+                self.long_tail)))) for _ in seeds]
+            stop = ()
+        params = [sampling_params(rl, seed=s, max_tokens=n, stop_token_ids=stop, routed_experts=rl.router_replay)
+                  for n, s in zip(lengths, seeds)]
+        with concurrent.futures.ThreadPoolExecutor(len(params)) as pool:  # one batch in the backend
+            outs = list(pool.map(lambda p: backend.generate([ids], p)[0], params))
+        return [completion_sample(group_id, i, out, tok, self.task, prompt) for i, out in enumerate(outs)]
+
+    def describe(self):
+        return f"RL task {self.rl.task}: {len(self.pool)} prompts"
+
+
+@register_environment("agentic-coding")
+class AgenticEnvironment(Environment):
+    """Tool use in a sandbox on coding tasks (`agentic.AgenticCodingEnv`), with textual-feedback hints."""
+
+    def __init__(self, rl, tokenizer, seq_length, **kwargs):
+        super().__init__(rl, tokenizer, seq_length, **kwargs)
+        from .agent import Agent, system_prompt
+        from .agentic import AgenticCodingEnv
+
+        self.episodes = AgenticCodingEnv(rl.families, split=self.split, count=self.count,
+                                         sandbox_kwargs={"timeout_s": rl.sandbox_timeout_s})
+        probe = Agent(None, tokenizer, self.agent_config(routed_experts=False))
+        self.pool = [t for t in self.episodes.tasks() if len(probe.segment_prompt(
+            system_prompt(self.episodes.tool_names), t.instruction, None)) <= self._room()]
+        if not self.pool:
+            raise self._no_fit(f"{','.join(rl.families)} task")
+        self.rules: Optional[dict] = None  # feedback rules (`set_feedback_rules`)
+
+    def agent_config(self, *, routed_experts: bool, **overrides):
+        """The `agent.AgentConfig` of train_rl.py's flags for this environment's context."""
+        from .agent import AgentConfig
+
+        rl = self.rl
+        config = AgentConfig(max_turns=rl.max_turns, max_turn_tokens=rl.max_new_tokens,
+                             max_context_tokens=self.seq_length, max_total_tokens=rl.token_budget,
+                             max_observation_tokens=rl.max_observation_tokens,
+                             summary_trigger_tokens=rl.summary_trigger_tokens, max_summaries=rl.max_summaries,
+                             summary_max_tokens=rl.summary_max_tokens, temperature=rl.temperature,
+                             top_p=rl.top_p, return_routed_experts=routed_experts)
+        return dataclasses.replace(config, **overrides)
+
+    def set_feedback_rules(self, rules: Optional[dict]) -> None:
+        self.rules = rules or None
+
+    def run_group(self, backend, group_id, seeds):
+        from .agent import Agent
+
+        rl = self.rl
+        agent = Agent(backend, self.tokenizer, self.agent_config(routed_experts=rl.router_replay))
+        task = self.task_of(group_id)
+        results = self.episodes.episodes(agent, [(task, s) for s in seeds], max_workers=rl.episode_workers)
+        return episode_samples(results, [group_id] * len(seeds), rl.group_size, self.tokenizer, self.rules,
+                               rl.feedback_hint_role)
+
+    def evaluate(self, backend, *, workers, shard: tuple[int, int] = (0, 1)):
+        """Greedy episodes of tasks `rank::world` of `shard` (seed = task index): `agentic.summarize`'s
+        metrics prefixed "eval " ("eval solved", "eval correctness", "eval turns", ...)."""
+        from .agent import Agent
+        from .agentic import summarize
+
+        agent = Agent(backend, self.tokenizer, self.agent_config(routed_experts=False, temperature=0.0))
+        tasks = self.episodes.tasks()
+        mine = list(range(shard[0], len(tasks), shard[1]))
+        results = self.episodes.episodes(agent, [(tasks[i], i) for i in mine], max_workers=workers)
+        row = summarize(results, self.tokenizer)
+        return {f"eval {k}": float(v) for k, v in row.items() if isinstance(v, (int, float))}
+
+    def describe(self):
+        rl = self.rl
+        return (f"RL env {self.name} ({rl.task_families}): {len(self.pool)} tasks, up to {rl.max_turns} turns "
+                f"of {rl.max_new_tokens} tokens, summaries at {rl.summary_trigger_tokens or 'never'}")
+
+
+def merge_evaluations(parts: list[dict]) -> dict:
+    """The metrics of the whole held-out set from the shards' (each a mean over its "eval tasks")."""
+    total = sum(p["eval tasks"] for p in parts)
+    keys = [k for k in parts[0] if k != "eval tasks"]
+    merged = {k: sum(p[k] * p["eval tasks"] for p in parts) / max(total, 1.0) for k in keys}
+    return dict(merged, **{"eval tasks": float(total)})
+
