@@ -40,7 +40,7 @@ def _wait_for(what, check, proc, deadline):
 
 
 def _rows(save):
-    path = os.path.join(save, "async_rl_steps.jsonl")
+    path = os.path.join(save, "rl_steps.jsonl")
     if not os.path.exists(path):
         return []
     with open(path) as f:

@@ -98,12 +98,16 @@ def test_bad_async_flags_are_named(flags, match):
 
 def test_the_driver_keeps_the_loggers_and_ray_address_implies_async():
     from megatron_composer.rl.arguments import parse_rl_args
-    from megatron_composer.rl.async_rl.runner import trainer_argv
+    from megatron_composer.rl.async_rl.services import TrainerWorker
+    from megatron_composer.training.arguments import LoggingConfig
 
-    argv = ["--tensorboard-dir", "tb", "--lr", "1e-4", "--wandb-project=p", "--save", "s"]
-    assert trainer_argv(argv) == ["--lr", "1e-4", "--save", "s"]
-    args, _, _ = parse_rl_args(["--ray-address", "auto"])
-    assert args.async_rl
+    run = parse_rl_args(["--tensorboard-dir", "tb", "--lr", "1e-4", "--wandb-project=p", "--save", "s"])
+    assert run.logging.tensorboard_dir == "tb" and run.logging.wandb_project == "p"
+    worker = TrainerWorker(run, 0, 1)  # the actor gets the typed configs, not the command line
+    assert worker.run.logging == LoggingConfig()
+    assert worker.run.training == run.training and worker.run.rl == run.rl
+    assert parse_rl_args(["--ray-address", "auto"]).async_rl.enabled
+    assert not parse_rl_args([]).async_rl.enabled
 
 
 def test_a_group_past_its_timeout_gets_its_worker_killed_for_a_restart():
@@ -115,7 +119,7 @@ def test_a_group_past_its_timeout_gets_its_worker_killed_for_a_restart():
     killed, printed = [], []
     runner = object.__new__(AsyncRLRunner)  # only the timeout logic: no Ray, no actors
     runner.ray = types.SimpleNamespace(kill=lambda actor, no_restart: killed.append((actor, no_restart)))
-    runner.args = types.SimpleNamespace(group_timeout_s=5.0)
+    runner.run_config = types.SimpleNamespace(async_rl=types.SimpleNamespace(group_timeout_s=5.0))
     runner.log = types.SimpleNamespace(print=printed.append)
     runner.expired = set()
     now = time.monotonic()

@@ -293,7 +293,7 @@ def test_feedback_flags_are_checked():
 
 def test_hints_land_on_the_segment_of_their_message_after_a_summary(tmp_path):
     """episode_samples (both RL loops build samples with it): a mistake in the second segment."""
-    from megatron_composer.rl.trainer import episode_samples
+    from megatron_composer.rl.rollout import episode_samples
 
     (tmp_path / "big.txt").write_text("x" * 300)
     read = call("read_file", path="big.txt")

@@ -67,8 +67,11 @@ def _step(rank, world, tokenizer_model, micro_batch_tokens=4096):
         return step()
 
     trainer.optimizer.step = capture
+    micro_batches = []
+    update = trainer.trainer.update
+    trainer.trainer.update = lambda batches: micro_batches.append(len(batches)) or update(batches)
     metrics = trainer.train_on(_samples(trainer.tokenizer))
-    return metrics, grads, len(trainer._rl_batches)
+    return metrics, grads, sum(micro_batches)
 
 
 def _reference_kl(tokenizer_model) -> float:

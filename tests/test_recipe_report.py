@@ -17,7 +17,7 @@ def test_the_report_reads_losses_rewards_and_evals(tmp_path):
     (tmp_path / "rl").mkdir()
     rows = [{"iteration": 1, "reward": 0.1, "job": "a"}, {"iteration": 2, "reward": 0.2, "job": "a"},
             {"iteration": 2, "reward": 0.3, "job": "b"}, {"iteration": 3, "reward": 0.4, "job": "b"}]
-    (tmp_path / "rl" / "async_rl_steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "rl" / "rl_steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert [r["reward"] for r in rl_rows(str(tmp_path))] == [0.1, 0.3, 0.4]  # a resumed step: the newer row
     (logs / "rl.log").write_text("> eval of weights version 6: solved 0.250 of 8 held-out tasks, correctness 0.500\n")
     assert rl_evals(str(tmp_path)) == [(6, 0.25, 0.5)]

@@ -4,7 +4,7 @@
     python tools/recipe_report.py --run-dir runs/demo [--seconds 540]
 
 Reads each stage's log in RUN_DIR/logs (Megatron-format lines) and the RL
-step log (rl/async_rl_steps.jsonl), measures the MTP layer's acceptance rate
+step log (rl/rl_steps.jsonl), measures the MTP layer's acceptance rate
 in speculative decoding for each stage's checkpoint (temperature 1, batch 1,
 held-out standard-library prompts), and writes RUN_DIR/report.md with three
 plots (report_loss.png, report_reward.png, report_acceptance.png) and a
@@ -41,7 +41,7 @@ def log_series(path: str, key: str) -> list[tuple[int, float]]:
 
 
 def rl_rows(run_dir: str) -> list[dict]:
-    path = os.path.join(run_dir, "rl", "async_rl_steps.jsonl")
+    path = os.path.join(run_dir, "rl", "rl_steps.jsonl")
     if not os.path.exists(path):
         return []
     with open(path) as f:

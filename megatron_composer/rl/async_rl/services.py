@@ -44,6 +44,10 @@ class TrainerWorker:
         # the driver keeps the loggers (TensorBoard, wandb)
         from ...training.arguments import LoggingConfig
 
+        if isinstance(run, (list, tuple)):  # train_rl.py's flags (tests, benchmarks)
+            from ..arguments import parse_rl_args
+
+            run = parse_rl_args(list(run))
         self.run = dataclasses.replace(run, logging=LoggingConfig())
         self.rank, self.world_size, self.threads = rank, world_size, threads
         self.publisher = WeightPublisher(_DTYPES[weight_dtype]) if rank == 0 else None
