@@ -4,8 +4,8 @@ One sample is its prompt and completion as one token sequence x_0 .. x_{n-1}
 (P prompt tokens). Position t predicts x_{t+1}, so the trained positions are
 P - 1 .. n - 2 (in a multi-turn sample only those whose next token the model
 generated, `loss_mask`: tool outputs are context), each carrying its sample's advantage and the log-prob the
-sampler gave x_{t+1} (temperature 1, for the train-vs-rollout mismatch and
-truncated importance sampling). The routing records of the engine travel per
+sampler gave x_{t+1} (at the sampling temperature, `Completion.logprobs`, for
+the train-vs-rollout mismatch and truncated importance sampling). The routing records of the engine travel per
 token (`routed_experts[t]` = the experts x_t was routed to), so packing and
 the zigzag context-parallel split (`parallel.zigzag_batch` splits every
 per-token field) keep them aligned with their tokens.
@@ -34,7 +34,7 @@ class RolloutSample:
     group: int
     prompt_ids: list[int]
     completion_ids: list[int]
-    sampler_logprobs: list[float]  # per completion token, temperature 1
+    sampler_logprobs: list[float]  # per completion token, log_softmax(logits / T) of the sampler
     routed_experts: Optional[torch.Tensor]  # int32 [len(prompt) + len(completion), moe layers, topk]
     policy_versions: list[int]
     finish_reason: str
