@@ -161,8 +161,6 @@ def token_entropy(logits: Tensor) -> Tensor:
     return -(logp.exp() * logp).sum(dim=-1)
 
 
-
-
 def policy_gradient_loss(
     logp: Tensor,
     old_logp: Optional[Tensor],
@@ -199,8 +197,8 @@ def policy_gradient_loss(
     advantages:   [T] or broadcastable (a per-sample advantage repeated over its tokens by the caller).
     loss_mask:    [T] bool (or 0/1), 1 on generated tokens, 0 on prompt, tool output and padding;
                   masked-out positions may hold any finite or infinite log-probs.
-    clip_eps_low / clip_eps_high: the clip range of ppo_clip / decoupled_ppo; clip_eps_high
-                  defaults to clip_eps_low.
+    clip_eps_low / clip_eps_high: the clip range of ppo_clip / decoupled_ppo (PolicyLossConfig's
+                  default when clip_eps_low is None); clip_eps_high defaults to clip_eps_low.
     sampler_logp: [T], log-probs under the policy that sampled the tokens.
     tis_cap:      the cap of the importance weight against the sampler (None: no TIS).
     logits:       [T, V], only for the entropy metric.

@@ -127,6 +127,17 @@ def importance_weight(numerator_logp: Tensor, denominator_logp: Tensor, keep: Te
     return weight if cap is None else weight.clamp(max=cap)
 
 
+def _tis_weight(old_logp: Tensor, sampler_logp: Optional[Tensor], keep: Tensor,
+                config: PolicyLossConfig) -> Optional[Tensor]:
+    """Truncated importance sampling: min(pi_old / mu, tis_cap), or None when tis_cap is None."""
+    if config.tis_cap is None:
+        return None
+    if sampler_logp is None:
+        raise ValueError(f"tis_cap={config.tis_cap} weighs by the sampler's log-probs but sampler_logp is "
+                         "None; pass the rollout's log-probs or set tis_cap=None")
+    return importance_weight(old_logp, sampler_logp, keep, config.tis_cap)
+
+
 def _masked(logp: Tensor, advantages: Tensor, loss_mask: Tensor) -> tuple[Tensor, Tensor]:
     """(keep [T] bool, advantages [T] in logp's dtype and 0 off the mask)."""
     keep = loss_mask.bool()
@@ -189,12 +200,7 @@ def dr_grpo(logp: Tensor, old_logp: Optional[Tensor], sampler_logp: Optional[Ten
     keep, adv = _masked(logp, advantages, loss_mask)
     old = logp.detach() if old_logp is None else old_logp
     ratio = _ratio(logp, old, keep)
-    weight = None
-    if config.tis_cap is not None:
-        if sampler_logp is None:
-            raise ValueError(f"tis_cap={config.tis_cap} weighs by the sampler's log-probs but sampler_logp is "
-                             "None; pass the rollout's log-probs or set tis_cap=None")
-        weight = importance_weight(old, sampler_logp, keep, config.tis_cap)
+    weight = _tis_weight(old, sampler_logp, keep, config)
     per_token = -ratio * adv if weight is None else -weight * ratio * adv
     return _reduce(per_token, keep, normalizer, ratio, torch.zeros_like(keep), weight)
 
@@ -226,12 +232,7 @@ def ppo_clip(logp: Tensor, old_logp: Optional[Tensor], sampler_logp: Optional[Te
     keep, adv = _masked(logp, advantages, loss_mask)
     ratio = _ratio(logp, old_logp, keep)
     surrogate, clipped = _clipped_surrogate(ratio, adv, config)
-    weight = None
-    if config.tis_cap is not None:
-        if sampler_logp is None:
-            raise ValueError(f"tis_cap={config.tis_cap} weighs by the sampler's log-probs but sampler_logp is "
-                             "None; pass the rollout's log-probs or set tis_cap=None")
-        weight = importance_weight(old_logp, sampler_logp, keep, config.tis_cap)
+    weight = _tis_weight(old_logp, sampler_logp, keep, config)
     per_token = -surrogate if weight is None else -weight * surrogate
     return _reduce(per_token, keep, normalizer, ratio, clipped, weight)
 
