@@ -14,7 +14,7 @@ import torch
 from megatron_composer.config import get_preset
 from megatron_composer.inference import SamplingParams
 from megatron_composer.inference.engine import Engine
-from megatron_composer.inference.sampling import sampling_logprobs, speculative_accept
+from megatron_composer.inference.sampling import sampling_logprobs, speculative_accept, token_logprobs
 from tests.test_convert import make_hf, needs_transformers, save_hf
 
 # Small enough for a fast suite, with every feature the engine touches:
@@ -125,6 +125,47 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(model):
         q = sampling_logprobs(ref * 1.0, 0.9, 40, 0.95)
         want = q.gather(1, torch.tensor(out.token_ids)[:, None]).squeeze(1)
         torch.testing.assert_close(torch.tensor(out.sampling_logprobs), want, rtol=0, atol=1e-4)
+
+
+def test_logprobs_are_those_of_the_sampling_temperature(model):
+    """A sampled token's `logprobs` entry is log_softmax(logits / T) of a full forward (no top-k: the
+    trainer scores over the full vocabulary); `sampling_logprobs` also apply the top-k filter."""
+    from megatron_composer.models import composer_forward
+
+    params = SamplingParams(max_tokens=8, temperature=0.5, top_k=40, seed=3, logprobs=True, top_logprobs=2)
+    engine = Engine(model, SMALL, max_model_len=128)
+    for prompt, out in zip(prompts(), engine.generate(prompts(), params)):
+        ids = torch.tensor([prompt + out.token_ids])
+        with torch.no_grad():
+            logits, _ = composer_forward(model, ids, torch.arange(ids.shape[1])[None])
+        rows = logits[0, len(prompt) - 1:-1].double()
+        sampled = torch.tensor(out.token_ids)
+        scaled = rows / 0.5
+        want = scaled.gather(1, sampled[:, None]).squeeze(1) - torch.logsumexp(scaled, dim=-1)
+        torch.testing.assert_close(torch.tensor(out.logprobs, dtype=torch.float64), want, rtol=0, atol=1e-4)
+        temperature_one = torch.log_softmax(rows, -1).gather(1, sampled[:, None]).squeeze(1)
+        assert (torch.tensor(out.logprobs, dtype=torch.float64) - temperature_one).abs().max() > 1e-2
+        torch.testing.assert_close(token_logprobs(rows, sampled, 0.5), want.float(), rtol=0, atol=1e-4)
+        top = torch.tensor([[lp for _, lp in row] for row in out.top_logprobs], dtype=torch.float64)
+        torch.testing.assert_close(top, torch.log_softmax(scaled, -1).topk(2, dim=-1).values, rtol=0, atol=1e-4)
+        kept = sampling_logprobs(rows.float(), 0.5, 40).gather(1, sampled[:, None]).squeeze(1)
+        torch.testing.assert_close(torch.tensor(out.sampling_logprobs), kept, rtol=0, atol=1e-4)
+
+
+def test_token_logprobs_by_hand():
+    # logits (ln 1, ln 2, ln 5) at T = 1: p = 1/8, 2/8, 5/8; at T = 0.5 the logits double: 1, 4, 25 over 30
+    logits = torch.log(torch.tensor([[1.0, 2.0, 5.0], [1.0, 2.0, 5.0]], dtype=torch.float64)).requires_grad_()
+    labels = torch.tensor([2, 0])
+    got = token_logprobs(logits, labels, 0.5)
+    torch.testing.assert_close(got, torch.tensor([math.log(25 / 30), math.log(1 / 30)]), rtol=0, atol=1e-6)
+    torch.testing.assert_close(token_logprobs(logits, labels, 0.0), token_logprobs(logits, labels, 1.0))
+    torch.testing.assert_close(token_logprobs(logits, labels, 1.0)[0], torch.tensor(math.log(5 / 8)),
+                               rtol=0, atol=1e-6)
+    got[0].backward()  # d/dz_v log softmax(z / T)_2 = (1[v = 2] - q_v) / T with q = (1, 4, 25) / 30
+    torch.testing.assert_close(logits.grad[0], torch.tensor([-1 / 30, -4 / 30, 5 / 30], dtype=torch.float64) * 2,
+                               rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="temperature=-1"):
+        token_logprobs(logits, labels, -1)
 
 
 def test_stop_token_and_max_model_len(model):

@@ -1,4 +1,6 @@
 """The reconciler's slots, lag limit and checkpointed buffer."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -77,3 +79,65 @@ def test_bad_settings_name_the_flag():
         Reconciler(1, max_inflight_groups=0, max_policy_lag=1)
     with pytest.raises(ValueError, match="--max-policy-lag -1"):
         Reconciler(1, max_inflight_groups=1, max_policy_lag=-1)
+
+
+def _equal(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    return type(a) is type(b) and a == b
+
+
+def test_a_buffer_of_samples_with_feedback_hints_round_trips_under_weights_only(tmp_path):
+    """Samples as the agentic loop builds them (feedback.attach_hints on an agent trajectory), with effort
+    counts, routing records and numpy numbers in the verdict: every field comes back equal."""
+    import io
+
+    import numpy as np
+
+    from megatron_composer.data.tool_calls import format_tool_call
+    from megatron_composer.rl.agent import Agent, AgentConfig
+    from megatron_composer.rl.batches import Hint
+    from megatron_composer.rl.feedback import attach_hints, resolve_rules
+    from megatron_composer.rl.tools import ToolSet
+    from tests.agent_fakes import CharTokenizer, ScriptedClient
+
+    tok = CharTokenizer()
+    script = [format_tool_call("list_dir", {}), format_tool_call("open_file", {"path": "a.py"}),
+              format_tool_call("finish", {"message": "ok"})]
+    config = AgentConfig(max_context_tokens=8192, max_turn_tokens=512, max_observation_tokens=2000)
+    traj = Agent(ScriptedClient(tok, script), tok, config).run(ToolSet(tmp_path, run_tests=lambda: ""), "Go.")
+    (segment,) = traj.segments
+    routed = torch.randint(-1, 8, (segment.length, 2, 2), dtype=torch.int32)
+    hinted = RolloutSample(7, segment.prompt_ids, segment.completion_ids, segment.logprobs, routed,
+                           segment.policy_versions, traj.stop_reason, "ok", rewards={"correctness": np.float64(0.5)},
+                           reward=0.25, advantage=-0.5, trajectory=3, loss_mask=segment.trained, effort=traj.counts,
+                           info={"turns": traj.counts.turns, "finished": float(traj.finished)})
+    attach_hints(traj, [hinted], resolve_rules("unknown_tool"), tok)
+    assert len(hinted.hints) == 1 and isinstance(hinted.hints[0], Hint) and traj.counts.tool_calls > 0
+    plain = _group(8, [1, 2]).samples[0]
+    r = Reconciler(2, max_inflight_groups=3, max_policy_lag=4)
+    r.to_launch(0)
+    r.complete(Group(0, [hinted], launched_version=1))
+    r.complete(Group(2, [plain], launched_version=0))
+    data = encode_state(r.state_dict())
+    loaded = torch.load(io.BytesIO(data), weights_only=True)  # plain data only, or this raises
+    assert loaded["ready"][0]["samples"][0]["hints"][0]["rules"] == ("unknown_tool",)
+    restored = decode_state(data)
+    assert [g.group_id for g in restored["ready"]] == [0, 2] and restored["relaunch"] == [1]
+    for original, group in zip((hinted, plain), restored["ready"]):
+        (back,) = group.samples
+        for field in dataclasses.fields(RolloutSample):
+            want, got = getattr(original, field.name), getattr(back, field.name)
+            if field.name == "rewards":
+                want = {k: float(v) for k, v in want.items()}  # numpy numbers come back as Python floats
+            assert _equal(got, want) or (isinstance(want, list) and len(got) == len(want)
+                                          and all(_equal(x, y) for x, y in zip(got, want))), field.name
+    assert restored["ready"][0].samples[0].hints == hinted.hints
+    assert restored["ready"][0].samples[0].effort == traj.counts
+
+
+def test_a_sample_holding_something_that_is_not_plain_data_is_named():
+    s = _group(1, [0]).samples[0]
+    s.info["tokenizer"] = object()
+    with pytest.raises(TypeError, match=r"RolloutSample.info holds object"):
+        encode_state({"next_group_id": 2, "ready": [Group(1, [s], 0)], "relaunch": [], "stats": {}})

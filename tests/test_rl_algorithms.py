@@ -271,9 +271,12 @@ def test_loss_errors_name_the_problem():
             policy_gradient_loss(x, x, x, x, normalizer=bad)
     with pytest.raises(ValueError, match="clip_eps_high=0.3 given without clip_eps_low"):
         policy_gradient_loss(x, x, x, x, normalizer=1.0, clip_eps_high=0.3)
-    with pytest.raises(ValueError, match="needs both sampler_logp and tis_cap"):
-        policy_gradient_loss(x, x, x, x, normalizer=1.0, sampler_logp=x)
-    with pytest.raises(ValueError, match="tis_cap -1.0 must be > 0"):
+    with pytest.raises(ValueError, match="tis_cap=2.0 weighs by the sampler's log-probs but sampler_logp is None"):
+        policy_gradient_loss(x, x, x, x, normalizer=1.0, tis_cap=2.0)
+    # a sampler without a cap is no TIS (dr_grpo, ppo_clip): no weight, no weight metric
+    _, metrics = policy_gradient_loss(x, x, x, x, normalizer=1.0, sampler_logp=x)
+    assert "tis_weight_mean" not in metrics
+    with pytest.raises(ValueError, match="tis_cap -1.0 must be a finite number > 0"):
         policy_gradient_loss(x, x, x, x, normalizer=1.0, sampler_logp=x, tis_cap=-1.0)
     with pytest.raises(ValueError, match="kl_coef=0.1 needs ref_logp"):
         policy_gradient_loss(x, x, x, x, normalizer=1.0, kl_coef=0.1)

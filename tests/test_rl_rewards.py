@@ -1,5 +1,7 @@
 """Rewards: the length penalty's properties and its q -> 1 limit, effort, the reward-term registry (pure)."""
+import dataclasses
 import math
+import sys
 from types import SimpleNamespace
 
 import mpmath
@@ -9,14 +11,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_composer.rl.rewards import (
+    EFFORT_WEIGHT_KEYS,
     REWARD_TERMS,
     EffortCounts,
     EffortWeights,
     LengthPenaltyConfig,
     combine_rewards,
     effort,
+    import_reward_terms,
     length_penalty,
     length_term,
+    parse_effort_weights,
     parse_reward_weights,
     register_reward_term,
     score,
@@ -197,3 +202,99 @@ def test_score_keeps_every_term_per_sample():
     assert list(per_term) == ["correctness"] and total.tolist() == [1.0, 0.0]
     with pytest.raises(ValueError, match=r"reward terms \['brevity'\] are not registered"):
         score(samples, {"brevity": 1.0})
+
+
+def test_parse_effort_weights_maps_the_flag_keys_to_the_fields():
+    weights = parse_effort_weights("thinking=1,tool_call=2,tool_output=0.1,final=0.5,tool_calls=10,turns=5")
+    assert weights == EffortWeights(thinking_tokens=1.0, tool_call_tokens=2.0, tool_output_tokens=0.1,
+                                    final_message_tokens=0.5, tool_calls=10.0, turns=5.0)
+    counts = EffortCounts(thinking_tokens=100, tool_call_tokens=20, tool_output_tokens=300,
+                          final_message_tokens=40, tool_calls=3, turns=2)
+    assert effort(counts, weights) == pytest.approx(100 + 40 + 30 + 20 + 30 + 10)
+    assert parse_effort_weights("thinking=1,tool_call=1,tool_output=1,final=1,tool_calls=0,turns=0") == \
+        EffortWeights() == parse_effort_weights("")
+    assert parse_effort_weights(" turns = 2 ") == EffortWeights(turns=2.0)  # the others keep their defaults
+    assert set(EFFORT_WEIGHT_KEYS.values()) == {f.name for f in dataclasses.fields(EffortWeights)}
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("thinking=1,tokens=2", r"unknown key 'tokens' .* use thinking, tool_call, tool_output, final, tool_calls, turns"),
+    ("thinking_tokens=1", r"unknown key 'thinking_tokens'"),
+    ("thinking", r"item 'thinking' in 'thinking' is not key=weight"),
+    ("thinking=1,", r"item '' in 'thinking=1,' is not key=weight"),
+    ("final=lots", r"weight 'lots' of 'final' is not a number"),
+    ("turns=-1", r"weight of 'turns' is -1.0; weights are finite numbers >= 0"),
+    ("turns=nan", r"weight of 'turns' is nan"),
+    ("turns=1,turns=2", r"'turns' appears twice"),
+])
+def test_parse_effort_weights_errors(spec, message):
+    with pytest.raises(ValueError, match=message):
+        parse_effort_weights(spec)
+
+
+USER_MODULE = '''
+from megatron_composer.rl.rewards import register_reward_term
+
+def brevity(sample):
+    return -float(len(sample.text))
+
+def shouting(sample):
+    return float(sample.text.isupper())
+
+register_reward_term("brevity", brevity)
+NOT_A_FUNCTION = 3
+'''
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    """`user_rewards` on sys.path; REWARD_TERMS and sys.modules restored afterwards."""
+    (tmp_path / "user_rewards.py").write_text(USER_MODULE)
+    (tmp_path / "broken_rewards.py").write_text("raise RuntimeError('no config file')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    saved = dict(REWARD_TERMS)
+    yield "user_rewards"
+    for name in ("user_rewards", "broken_rewards"):
+        sys.modules.pop(name, None)
+    REWARD_TERMS.clear()
+    REWARD_TERMS.update(saved)
+
+
+def test_a_reward_module_registers_its_terms_when_imported(user_module):
+    assert "brevity" not in REWARD_TERMS
+    assert import_reward_terms("user_rewards") == ["brevity"]
+    assert import_reward_terms("user_rewards") == []  # once per process: a second call changes nothing
+    assert parse_reward_weights("correctness=1,brevity=0.01") == {"correctness": 1.0, "brevity": 0.01}
+    total, _ = score([SimpleNamespace(correctness=1.0, text="abcd")], {"correctness": 1.0, "brevity": 0.01})
+    torch.testing.assert_close(total, torch.tensor([0.96]))
+
+
+def test_function_terms_resolve_by_name_in_any_process(user_module):
+    # --reward names the term; parsing it imports and registers it, as each Ray actor's parse does
+    weights = parse_reward_weights("correctness=1,user_rewards:shouting=0.5")
+    assert weights == {"correctness": 1.0, "user_rewards:shouting": 0.5}
+    total, per_term = score([SimpleNamespace(correctness=0.0, text="HI"), SimpleNamespace(correctness=1.0, text="hi")],
+                            weights)
+    assert per_term["user_rewards:shouting"].tolist() == [1.0, 0.0] and total.tolist() == [0.5, 1.0]
+    # a process that never saw the driver's code: nothing imported, an empty registry, the same spec
+    sys.modules.pop("user_rewards")
+    del REWARD_TERMS["brevity"], REWARD_TERMS["user_rewards:shouting"]
+    fresh = {}
+    # importing the module registers its own term too
+    assert import_reward_terms("user_rewards:shouting", registry=fresh) == ["brevity", "user_rewards:shouting"]
+    assert fresh["user_rewards:shouting"](SimpleNamespace(text="OK")) == 1.0
+    assert import_reward_terms("user_rewards:shouting", registry=fresh) == []
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("no_such_rewards", r"reward module 'no_such_rewards' .* cannot be imported .* put its folder on PYTHONPATH"),
+    ("no_such_rewards:f", r"reward module 'no_such_rewards' \(from 'no_such_rewards:f'\) cannot be imported"),
+    ("user_rewards:missing", r"'user_rewards:missing': module 'user_rewards' has no attribute 'missing'"),
+    ("user_rewards:NOT_A_FUNCTION", r"has int 'NOT_A_FUNCTION', not a function"),
+    ("user_rewards:", r"has no attribute ''"),
+    ("user-rewards", r"'user-rewards' is not package.module or package.module:function"),
+    ("broken_rewards", r"reward module 'broken_rewards' .* raised while importing: RuntimeError\('no config file'\)"),
+])
+def test_reward_module_errors_name_the_entry(user_module, spec, message):
+    with pytest.raises(ValueError, match=message):
+        import_reward_terms(spec)

@@ -29,7 +29,8 @@ Each `step()`:
    `prefill_chunk_size` tokens in all for requests still in prefill;
 3. runs the trunk once over the batch, recording every token's experts;
 4. samples (or verifies drafts) per request with the request's own
-   parameters and seed; tokens record the weights version of this forward;
+   parameters and seed; tokens record the weights version of this forward
+   and their log-prob at the request's temperature (`Completion.logprobs`);
 5. drafts the next token with the MTP layer for speculative requests;
 6. finishes requests at a stop id / string, `max_tokens` or `max_model_len`,
    frees their slots and hands back a `Completion`.
@@ -52,7 +53,7 @@ import torch
 from ..checkpoint.state import global_param_names, model_state_dict
 from .params import Completion, GenerationEvent, SamplingParams, SpeculativeStats
 from .runner import ModelRunner, Segment
-from .sampling import sample, sampling_logprobs
+from .sampling import sample, sampling_logprobs, temperature_logprobs
 from .speculative import MTPDrafter
 from .weights import stage_update
 
@@ -397,8 +398,8 @@ class Engine:
             req.num_computed = start + fed
             self._keep(req, routed, hidden, start, fed)
         event = GenerationEvent(req.id, [], [], [], [], [])
-        temperature_one = torch.log_softmax(logits[:len(new)], dim=-1)
-        for (token, sampling_lp), row in zip(new, temperature_one):
+        reported = temperature_logprobs(logits[:len(new)], req.params.temperature)
+        for (token, sampling_lp), row in zip(new, reported):
             self._append(req, token, sampling_lp, row, event)
             if req.finish_reason:
                 break
@@ -424,8 +425,9 @@ class Engine:
     def _generator_of(self, req: _Request) -> torch.Generator:
         return req.generator if req.generator is not None else self._generator
 
-    def _append(self, req: _Request, token: int, sampling_lp: float, temperature_one: torch.Tensor,
+    def _append(self, req: _Request, token: int, sampling_lp: float, reported: torch.Tensor,
                 event: GenerationEvent) -> None:
+        """Record one new token; `reported` [vocab]: log_softmax(logits / T) of its row (T = 1 when greedy)."""
         p = req.params
         req.tokens.append(token)
         req.generated.append(token)
@@ -433,13 +435,13 @@ class Engine:
         event.token_ids.append(token)
         event.policy_versions.append(self._version)
         if p.logprobs or p.top_logprobs:
-            lp = float(temperature_one[token])
+            lp = float(reported[token])
             req.logprobs.append(lp)
             req.sampling_logprobs.append(sampling_lp)
             event.logprobs.append(lp)
             event.sampling_logprobs.append(sampling_lp)
         if p.top_logprobs:
-            values, ids = torch.topk(temperature_one, p.top_logprobs)
+            values, ids = torch.topk(reported, p.top_logprobs)
             top = list(zip(ids.tolist(), values.tolist()))
             req.top_logprobs.append(top)
             event.top_logprobs.append(top)

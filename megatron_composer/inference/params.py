@@ -3,7 +3,7 @@
 The fields and their meanings follow OpenAI's completions API and vLLM's
 `SamplingParams` where they overlap (`temperature=0` is greedy, `top_k=0` and
 `top_p=1` switch those filters off); the extension fields (`logprobs` at
-temperature 1, `routed_experts`, `policy_versions`) are what RL needs.
+the sampling temperature, `routed_experts`, `policy_versions`) are what RL needs.
 """
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ class SamplingParams:
             that completed the string are kept).
         logprobs: fill `Completion.logprobs` / `sampling_logprobs`.
         top_logprobs: also return the n most likely tokens of each position
-            (temperature-1 distribution), as OpenAI's `top_logprobs`; 0: none.
+            (the distribution of `Completion.logprobs`), as OpenAI's
+            `top_logprobs`; 0: none.
         return_routed_experts: fill `Completion.routed_experts`.
         speculative: None or "mtp" (draft with the model's MTP layers).
         num_speculative_tokens: draft length with "mtp"; at most the model's
@@ -118,15 +119,17 @@ class Completion:
         prompt_token_ids: the prompt as given.
         token_ids: generated tokens only (a stop token id is included).
         logprobs: per generated token, its log-probability under the model's
-            full distribution at temperature 1 (no top-k / top-p): what the
-            trainer recomputes. Empty unless `SamplingParams.logprobs`.
+            full distribution at the sampling temperature, log_softmax(logits / T)
+            (no top-k / top-p; T = 1 for greedy, whose point mass says nothing):
+            what the RL trainer recomputes (`sampling.token_logprobs`). Empty
+            unless `SamplingParams.logprobs`.
         sampling_logprobs: per generated token, its log-probability under the
             distribution it was sampled from (temperature, top-k, top-p
             applied; 0.0 for greedy). MTP speculative sampling emits tokens
             with exactly this distribution too.
         top_logprobs: per generated token, [(token_id, logprob), ...] of the
-            `SamplingParams.top_logprobs` most likely tokens (temperature 1),
-            most likely first. Empty unless asked.
+            `SamplingParams.top_logprobs` most likely tokens (the distribution
+            of `logprobs`), most likely first. Empty unless asked.
         routed_experts: int32 [len(prompt) + len(token_ids), num_moe_layers, topk]:
             the experts each token was routed to at every MoE layer of the
             decoder (MTP layers excluded), in the router's top-k order. The

@@ -19,9 +19,10 @@ What maps to what:
     speculative ("mtp"), num_speculative_tokens
 
 The end-of-document id (and for chat the end-of-turn id) stop generation
-unless `ignore_eos`. Logprobs are `Completion.logprobs`: the temperature-1
-distribution of the model, as vLLM's default raw logprobs, one per generated
-token including a stop token, so they line up with `token_ids`.
+unless `ignore_eos`. Logprobs are `Completion.logprobs`: the model's full
+distribution at the request's temperature (temperature 1 when greedy; vLLM's
+default raw logprobs are always at temperature 1), one per generated token
+including a stop token, so they line up with `token_ids`.
 """
 from __future__ import annotations
 

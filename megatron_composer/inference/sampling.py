@@ -11,6 +11,12 @@ speculative-sampling acceptance rule.
         log q = log_softmax(filter(logits / T)), -inf outside the kept set:
         top-k keeps the k largest (ties at the k-th value kept); top-p keeps
         the smallest most-likely-first prefix whose probability reaches p.
+    temperature_logprobs(logits, temperature), token_logprobs(logits, labels, temperature)
+        log_softmax(logits / T) over the full vocabulary (T = 1 for greedy):
+        what the engine reports per token (`Completion.logprobs`) and what the
+        RL trainer recomputes, so that the two are the same distribution
+        whatever --temperature is (a ratio of log-probs at T = 1 against
+        tokens drawn at T != 1 would be biased on every token).
     speculative_accept(p, q, draft, u)
         accept the draft token d (drawn from q) when u < min(1, p(d) / q(d));
         otherwise the token is drawn from the residual norm(max(p - q, 0)).
@@ -48,6 +54,43 @@ def sampling_logprobs(logits: torch.Tensor, temperature: float, top_k: int = 0, 
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         scaled = scaled.masked_fill(drop, float("-inf"))
     return torch.log_softmax(scaled, dim=-1)
+
+
+def logprob_temperature(temperature: float) -> float:
+    """The temperature log-probs are reported at: `temperature`, or 1 for greedy (0), whose point mass
+    has no informative log-probs of its own."""
+    if not (isinstance(temperature, (int, float)) and 0 <= temperature < float("inf")):
+        raise ValueError(f"temperature={temperature!r}; use a number >= 0 (0 is greedy)")
+    return float(temperature) if temperature > 0 else 1.0
+
+
+def temperature_logprobs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log_softmax(logits / T) in float32 over the full vocabulary (no top-k / top-p); T = 1 when greedy.
+
+    Args:
+        logits: [n, vocab] (any float dtype).
+        temperature: >= 0; 0 (greedy) reports the temperature-1 log-probs.
+    Returns:
+        [n, vocab] float32.
+    """
+    return torch.log_softmax(logits.float() / logprob_temperature(temperature), dim=-1)
+
+
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log_softmax(logits / T)[labels], per row; differentiable in logits; T = 1 when greedy.
+
+    The same values as `temperature_logprobs(logits, T).gather(-1, labels)`,
+    without keeping the [n, vocab] log-probs for backward.
+
+    Args:
+        logits: [n, vocab] (any float dtype; computed in float32).
+        labels: [n] int64 token ids.
+        temperature: >= 0.
+    Returns:
+        [n] float32.
+    """
+    scaled = logits.float() / logprob_temperature(temperature)
+    return -torch.nn.functional.cross_entropy(scaled, labels, reduction="none")
 
 
 def sample(logprobs: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:

@@ -10,6 +10,7 @@ Registries, one entry per estimator, each a pure function with its formula:
 
     ADVANTAGE_ESTIMATORS   dr_grpo, grpo, rloo    ([G, n] rewards -> [G, n] advantages)
     KL_ESTIMATORS          k1, k2, k3             (per-token logp, ref_logp -> per-token KL)
+    policy_losses.POLICY_LOSSES  dr_grpo, ppo_clip, decoupled_ppo  (per-token log-probs -> loss)
 
 KL placement (`--kl-placement reward|loss`, `--kl-coef`). With log r =
 ref_logp - logp on tokens sampled from the policy pi:
@@ -33,6 +34,8 @@ from typing import Callable, Optional
 
 import torch
 from torch import Tensor
+
+from .policy_losses import PolicyLossConfig, get_policy_loss, masked_mean
 
 
 def _require_group_size(rewards: Tensor, minimum: int, kind: str) -> None:
@@ -151,12 +154,6 @@ def default_normalizer(num_groups: int, max_new_tokens: int) -> float:
     return float(num_groups * max_new_tokens)
 
 
-def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
-    """sum over mask != 0 of values / max(count, 1); 0 when nothing is masked in. Masked-out NaNs are ignored."""
-    keep = mask.bool()
-    return torch.where(keep, values, 0.0).sum() / keep.sum().clamp(min=1).to(values.dtype)
-
-
 def token_entropy(logits: Tensor) -> Tensor:
     """H_t = logsumexp(z_t) - sum_v softmax(z_t)_v z_tv, per row of logits [T, V]. Returns [T] float32."""
     logits = logits.float()
@@ -164,36 +161,9 @@ def token_entropy(logits: Tensor) -> Tensor:
     return -(logp.exp() * logp).sum(dim=-1)
 
 
-def _check_loss_inputs(logp, old_logp, advantages, loss_mask, normalizer, clip_eps_low, clip_eps_high,
-                       sampler_logp, tis_cap):
-    for name, t in (("old_logp", old_logp), ("loss_mask", loss_mask), ("sampler_logp", sampler_logp)):
-        if t is not None and t.shape != logp.shape:
-            raise ValueError(f"{name} shape {tuple(t.shape)} != logp shape {tuple(logp.shape)}; "
-                             "pass one value per token of the packed batch")
-    try:
-        torch.broadcast_shapes(advantages.shape, logp.shape)
-    except RuntimeError:
-        raise ValueError(f"advantages shape {tuple(advantages.shape)} does not broadcast to logp shape "
-                         f"{tuple(logp.shape)}; broadcast each sample's advantage over its tokens") from None
-    if not (isinstance(normalizer, (int, float)) and 0 < normalizer < float("inf")):
-        raise ValueError(f"normalizer {normalizer!r} must be a positive finite number; "
-                         "use default_normalizer(num_groups, max_new_tokens)")
-    if clip_eps_high is not None and clip_eps_low is None:
-        raise ValueError(f"clip_eps_high={clip_eps_high} given without clip_eps_low; pass clip_eps_low too")
-    for name, eps in (("clip_eps_low", clip_eps_low), ("clip_eps_high", clip_eps_high)):
-        if eps is not None and not eps >= 0:
-            raise ValueError(f"{name} {eps} must be >= 0 (e.g. 0.2)")
-    if (sampler_logp is None) != (tis_cap is None):
-        raise ValueError("truncated importance sampling needs both sampler_logp and tis_cap "
-                         f"(got sampler_logp={'set' if sampler_logp is not None else None}, tis_cap={tis_cap}); "
-                         "pass both (e.g. tis_cap=2.0) or neither")
-    if tis_cap is not None and not tis_cap > 0:
-        raise ValueError(f"tis_cap {tis_cap} must be > 0 (e.g. 2.0)")
-
-
 def policy_gradient_loss(
     logp: Tensor,
-    old_logp: Tensor,
+    old_logp: Optional[Tensor],
     advantages: Tensor,
     loss_mask: Tensor,
     *,
@@ -206,74 +176,55 @@ def policy_gradient_loss(
     ref_logp: Optional[Tensor] = None,
     kl_coef: float = 0.0,
     kl_kind: str = "k1",
+    policy_loss: Optional[str] = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Policy-gradient loss of one micro-batch: loss = sum_t m_t * l_t / normalizer.
+    """The policy loss of one micro-batch: a registered policy loss, plus the KL term and the metrics.
 
-    Per token t, with ratio rho_t = exp(logp_t - old_logp_t) and advantage A_t:
+        loss = sum_t m_t (l_t + kl_coef * kl_estimate(logp_t, ref_logp_t, kl_kind)) / normalizer
 
-        no clipping:  l_t = -w_t * rho_t * A_t              (gradient -w_t * A_t * grad logp_t at rho = 1)
-        clipping:     l_t = -w_t * min(rho_t A_t, clip(rho_t, 1 - eps_low, 1 + eps_high) A_t)
-        TIS weight:   w_t = min(exp(old_logp_t - sampler_logp_t), tis_cap), detached; 1 without TIS
-        KL in loss:   l_t += kl_coef * kl_estimate(logp_t, ref_logp_t, kl_kind)
-
-    The sum runs over every masked-in token and is divided by one constant,
-    `normalizer` (the loop passes default_normalizer(num_groups, max_new_tokens)
-    = groups in the step x max generation length), never by a sample's own
-    length, so every token of every sample weighs 1 / normalizer. Because the
-    constant is global, micro-batches and data-parallel ranks add up: the
-    step's gradient is the sum of the micro-batch gradients (pass
-    normalizer / dp_size where the data-parallel reduction averages).
+    l_t is `policy_losses.get_policy_loss(policy_loss)` (each loss documents its
+    formula); policy_loss None picks "ppo_clip" when clip_eps_low is set and
+    "dr_grpo" otherwise. The sum runs over every masked-in token and is divided
+    by one constant, `normalizer` (the loop passes default_normalizer(num_groups,
+    max_new_tokens)), never by a sample's own length, so every token of every
+    sample weighs 1 / normalizer; micro-batches and data-parallel ranks add up
+    (pass normalizer / dp_size where the data-parallel reduction averages).
 
     logp:         [T] float, log pi_theta of each sampled token (differentiable); any shape works
                   as long as the other per-token tensors match it.
-    old_logp:     [T], log-probs of the policy the advantages were computed for (detached);
-                  equal to logp's values on the first pass over fresh rollouts.
+    old_logp:     [T] detached or None, log-probs of the policy before this step's updates
+                  (None: logp detached, for the losses that allow it).
     advantages:   [T] or broadcastable (a per-sample advantage repeated over its tokens by the caller).
     loss_mask:    [T] bool (or 0/1), 1 on generated tokens, 0 on prompt, tool output and padding;
                   masked-out positions may hold any finite or infinite log-probs.
-    clip_eps_low / clip_eps_high: PPO clip range; clipping is on when clip_eps_low is set and
-                  clip_eps_high defaults to clip_eps_low.
-    sampler_logp: [T], log-probs under the (older) policy that sampled the tokens; with tis_cap.
+    clip_eps_low / clip_eps_high: the clip range of ppo_clip / decoupled_ppo (PolicyLossConfig's
+                  default when clip_eps_low is None); clip_eps_high defaults to clip_eps_low.
+    sampler_logp: [T], log-probs under the policy that sampled the tokens.
+    tis_cap:      the cap of the importance weight against the sampler (None: no TIS).
     logits:       [T, V], only for the entropy metric.
     ref_logp:     [T], log pi_ref; enables the "kl" metric, and the KL loss term when kl_coef != 0.
 
     Returns (loss, metrics). metrics are detached 0-d tensors, means over masked-in tokens:
-    "loss", "ratio_mean", "clip_fraction" (tokens where the clipped branch was taken), and
-    "entropy" (with logits), "kl" (with ref_logp), "tis_weight_mean" (with sampler_logp).
+    the policy loss's ("ratio_mean", "clip_fraction", "tis_weight_mean" where a weight applies),
+    "loss" (the total), "entropy" (with logits), "kl" (with ref_logp).
     """
-    _check_loss_inputs(logp, old_logp, advantages, loss_mask, normalizer, clip_eps_low, clip_eps_high,
-                       sampler_logp, tis_cap)
+    if clip_eps_high is not None and clip_eps_low is None:
+        raise ValueError(f"clip_eps_high={clip_eps_high} given without clip_eps_low; pass clip_eps_low too")
     if kl_coef and ref_logp is None:
         raise ValueError(f"kl_coef={kl_coef} needs ref_logp (log-probs of the reference model); "
                          "pass ref_logp or set kl_coef=0.0")
-    # Masked-out positions (prompt, padding) may hold arbitrary log-probs; they
-    # are neutralized before exp() so that no inf * 0 reaches the sum or the gradient.
+    name = policy_loss or ("ppo_clip" if clip_eps_low is not None else "dr_grpo")
+    clip = {} if clip_eps_low is None else {"clip_eps_low": clip_eps_low, "clip_eps_high": clip_eps_high}
+    config = PolicyLossConfig(tis_cap=tis_cap, **clip)
+    loss, metrics = get_policy_loss(name)(logp, old_logp, sampler_logp, advantages, loss_mask, normalizer, config)
     keep = loss_mask.bool()
     mask = keep.to(logp.dtype)
-    advantages = torch.where(keep, advantages.to(logp.dtype).expand_as(logp), 0.0)
-    ratio = torch.exp(torch.where(keep, logp - old_logp, 0.0))
-    surrogate = ratio * advantages
-    clipped = torch.zeros_like(mask, dtype=torch.bool)
-    if clip_eps_low is not None:
-        high = clip_eps_low if clip_eps_high is None else clip_eps_high
-        clipped_surrogate = ratio.clamp(1.0 - clip_eps_low, 1.0 + high) * advantages
-        clipped = clipped_surrogate < surrogate
-        surrogate = torch.minimum(surrogate, clipped_surrogate)
-    per_token = -surrogate
-    metrics: dict[str, Tensor] = {}
-    if sampler_logp is not None:
-        tis_weight = torch.exp(torch.where(keep, old_logp - sampler_logp, 0.0)).clamp(max=tis_cap).detach()
-        per_token = per_token * tis_weight
-        metrics["tis_weight_mean"] = masked_mean(tis_weight, mask)
     if ref_logp is not None:
         kl = kl_estimate(torch.where(keep, logp, 0.0), torch.where(keep, ref_logp, 0.0), kl_kind)
         if kl_coef:
-            per_token = per_token + kl_coef * kl
+            loss = loss + kl_coef * torch.where(keep, kl, 0.0).sum() / normalizer
         metrics["kl"] = masked_mean(kl.detach(), mask)
-    loss = torch.where(keep, per_token, 0.0).sum() / normalizer
     metrics["loss"] = loss.detach()
-    metrics["ratio_mean"] = masked_mean(ratio.detach(), mask)
-    metrics["clip_fraction"] = masked_mean(clipped.to(mask.dtype), mask)
     if logits is not None:
         if logits.shape[:-1] != logp.shape:
             raise ValueError(f"logits shape {tuple(logits.shape)} must be logp shape {tuple(logp.shape)} + [V]")

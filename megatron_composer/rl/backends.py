@@ -10,9 +10,11 @@ A backend is token ids in, token ids out:
     pause() / resume()          hold new scheduling around an in-flight update (sequences in flight
                                 keep their cache and continue on the new weights after `resume`)
 
-`capabilities` says what a backend returns, so the RL loop checks its flags
-once at start-up (router replay needs routed experts; top-p / top-k below the
-full vocabulary need the truncated distribution's log-probs).
+Every backend returns the sampled tokens' log-probs over the full vocabulary
+at the sampling temperature, what the trainer computes too (top-p / top-k
+truncation is refused in RL: `policy_losses.check_rl_sampling`).
+`capabilities` says what else a backend returns, so the RL loop checks its
+flags once at start-up (router replay needs routed experts).
 
 Registered here: `engine` (our engine in this process, sharing the trainer's
 weights: laptops, tests, the exactness reference) and `http` (a server of
@@ -33,7 +35,6 @@ from ..inference.params import Completion
 @dataclasses.dataclass(frozen=True)
 class BackendCapabilities:
     routed_experts: bool  # returns the experts every token was routed to (router replay, R3)
-    truncated_logprobs: bool  # returns log-probs of the top-p / top-k truncated distribution it sampled
     policy_versions: bool  # tags every generated token with the weights version that produced it
 
 
@@ -41,7 +42,7 @@ class RolloutBackend:
     """The interface (module docstring). Subclasses implement `generate` and `update_weights`."""
 
     name = "abstract"
-    capabilities = BackendCapabilities(routed_experts=False, truncated_logprobs=False, policy_versions=False)
+    capabilities = BackendCapabilities(routed_experts=False, policy_versions=False)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         raise NotImplementedError
@@ -94,7 +95,7 @@ class EngineBackend(RolloutBackend):
     `update_weights(None, version)` only moves the version on; a state dict or a delta is swapped in
     between two decode steps."""
 
-    capabilities = BackendCapabilities(routed_experts=True, truncated_logprobs=True, policy_versions=True)
+    capabilities = BackendCapabilities(routed_experts=True, policy_versions=True)
 
     def __init__(self, engine):
         self.engine = engine
@@ -128,7 +129,7 @@ class HTTPBackend(RolloutBackend):
 
         self.client = client or HTTPRolloutClient(url, max_concurrency=max_concurrency)
         ours = self.client.flavor == "megatron-composer"
-        self.capabilities = BackendCapabilities(routed_experts=ours, truncated_logprobs=False, policy_versions=ours)
+        self.capabilities = BackendCapabilities(routed_experts=ours, policy_versions=ours)
 
     @property
     def flavor(self) -> str:
@@ -144,14 +145,8 @@ class HTTPBackend(RolloutBackend):
         self.client.close()
 
 
-def check_backend(backend: RolloutBackend, *, router_replay: bool, top_p: float, top_k: int = 0) -> None:
-    """Refuse RL settings the backend cannot serve exactly (raises ValueError naming the fix)."""
-    caps = backend.capabilities
-    if router_replay and not caps.routed_experts:
+def check_backend(backend: RolloutBackend, *, router_replay: bool) -> None:
+    """Refuse RL settings the backend cannot serve (ValueError naming the fix)."""
+    if router_replay and not backend.capabilities.routed_experts:
         raise ValueError(f"router replay needs the routed experts of every token; the {backend.name} backend "
                          f"does not return them; use --no-router-replay or a backend that does (engine, our server)")
-    if (top_p < 1.0 or top_k > 0) and not caps.truncated_logprobs:
-        raise ValueError(f"--top-p {top_p} / top-k {top_k} truncate the sampling distribution, but the "
-                         f"{backend.name} backend returns no log-probs of the truncated distribution, and the "
-                         f"trainer's log-probs are over the full vocabulary: a silent off-policy bias; use "
-                         f"--top-p 1.0 (RL samples the full distribution)")

@@ -4,8 +4,8 @@ One sample is its prompt and completion as one token sequence x_0 .. x_{n-1}
 (P prompt tokens). Position t predicts x_{t+1}, so the trained positions are
 P - 1 .. n - 2 (in a multi-turn sample only those whose next token the model
 generated, `loss_mask`: tool outputs are context), each carrying its sample's advantage and the log-prob the
-sampler gave x_{t+1} (temperature 1, for the train-vs-rollout mismatch and
-truncated importance sampling). The routing records of the engine travel per
+sampler gave x_{t+1} (at the sampling temperature, `Completion.logprobs`, for
+the train-vs-rollout mismatch and truncated importance sampling). The routing records of the engine travel per
 token (`routed_experts[t]` = the experts x_t was routed to), so packing and
 the zigzag context-parallel split (`parallel.zigzag_batch` splits every
 per-token field) keep them aligned with their tokens.
@@ -14,17 +14,68 @@ A micro-batch is one "thd" packed sequence [1, T] of whole samples (each
 attends only to itself). `plan_step` balances the samples across
 data-parallel ranks by cost, then cuts each rank's share into micro-batches
 under a token budget.
+
+Samples wait in the async RL buffer, which goes into checkpoints, so a
+sample (with its feedback hints and effort counts) turns into plain data
+and back: `RolloutSample.to_dict()` holds only None, bool, int, float, str,
+lists, tuples, dicts and tensors, which `torch.load(weights_only=True)` reads.
 """
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass
-from typing import ClassVar, Optional
+from typing import Any, ClassVar, Optional
 
 import torch
 
 from ..parallel.zigzag_batch import packed_seq_params_for
 from ..training.batches import Batch
+from .rewards import EffortCounts
+
+
+def plain_data(value: Any, where: str) -> Any:
+    """`value` as None, bool, int, float, str, list, tuple, dict or tensor (numbers such as numpy
+    scalars become Python numbers); TypeError naming `where` for anything else."""
+    if value is None or type(value) in (bool, int, float, str) or isinstance(value, torch.Tensor):
+        return value
+    if type(value) in (list, tuple):
+        return type(value)(plain_data(v, where) for v in value)
+    if isinstance(value, dict):
+        return {plain_data(k, where): plain_data(v, where) for k, v in value.items()}
+    if isinstance(value, str):
+        return str(value)
+    if getattr(value, "shape", None) == () and callable(getattr(value, "item", None)):  # numpy scalars
+        return plain_data(value.item(), where)
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    raise TypeError(f"{where} holds {type(value).__name__} {value!r}, which a checkpoint cannot carry as plain "
+                    "data; store numbers, strings, lists, dicts or tensors there")
+
+
+@dataclass
+class Hint:
+    """A note for one target message of one training sample (a trajectory segment).
+
+    start, end: the message's ids are the sample's `completion_ids[start:end]`;
+    note_ids: `<|role|> hint <|end|>`, inserted before the <|assistant|> that opens it
+    (`feedback.attach_hints` writes them).
+    """
+
+    rules: tuple
+    text: str
+    start: int
+    end: int
+    note_ids: list
+
+    def to_dict(self) -> dict:
+        return plain_data(dataclasses.asdict(self), "a feedback hint")
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Hint":
+        return cls(tuple(data["rules"]), data["text"], data["start"], data["end"], list(data["note_ids"]))
 
 
 @dataclass
@@ -34,7 +85,7 @@ class RolloutSample:
     group: int
     prompt_ids: list[int]
     completion_ids: list[int]
-    sampler_logprobs: list[float]  # per completion token, temperature 1
+    sampler_logprobs: list[float]  # per completion token, log_softmax(logits / T) of the sampler
     routed_experts: Optional[torch.Tensor]  # int32 [len(prompt) + len(completion), moe layers, topk]
     policy_versions: list[int]
     finish_reason: str
@@ -44,13 +95,29 @@ class RolloutSample:
     advantage: float = 0.0
     trajectory: int = -1  # index of its trajectory in the step; the segments of one share it
     loss_mask: Optional[list[int]] = None  # per completion token, 1: generated (trained); None: all
-    effort: Optional[object] = None  # rewards.EffortCounts of its trajectory (None: one turn of completion_ids)
+    effort: Optional[EffortCounts] = None  # of its trajectory (None: one turn of completion_ids)
     info: dict = dataclasses.field(default_factory=dict)  # per-trajectory metrics (agentic: turns, summaries, ...)
-    hints: list = dataclasses.field(default_factory=list)  # feedback.Hint on its messages (textual feedback)
+    hints: list = dataclasses.field(default_factory=list)  # Hint on its messages (textual feedback)
 
     @property
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
+
+    def to_dict(self) -> dict:
+        """Every field as plain data (`plain_data`); the effort counts and hints as dicts."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        fields["effort"] = None if self.effort is None else dataclasses.asdict(self.effort)
+        fields["hints"] = [h.to_dict() for h in self.hints]
+        return {name: plain_data(value, f"RolloutSample.{name}") for name, value in fields.items()}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "RolloutSample":
+        """The inverse of `to_dict`."""
+        fields = dict(data)
+        if fields.get("effort") is not None:
+            fields["effort"] = EffortCounts(**fields["effort"])
+        fields["hints"] = [Hint.from_dict(h) for h in fields.get("hints", [])]
+        return cls(**fields)
 
 
 @dataclass

@@ -92,18 +92,36 @@ class RLConfig:
             raise ValueError(f"--kl-placement {self.kl_placement!r}; use one of {', '.join(KL_PLACEMENTS)}")
         if self.kl_coef < 0:
             raise ValueError(f"--kl-coef {self.kl_coef} must be >= 0")
-        if self.temperature <= 0:
-            raise ValueError(f"--temperature {self.temperature}: RL samples (> 0); greedy groups have no variance")
+        from .policy_losses import check_rl_sampling
+
+        # every backend we ship returns full-vocabulary log-probs at T (`backends.check_backend`)
+        check_rl_sampling(self.temperature, self.top_p)
+        self._check_policy_loss()
         from .policy_losses import get_policy_loss
-        from .rewards import import_reward_modules, parse_reward_weights, reward_terms
+        from .rewards import import_reward_terms, parse_reward_weights, reward_terms
 
         get_policy_loss(self.policy_loss)
-        import_reward_modules(self.reward_module)
+        import_reward_terms(self.reward_module)
         parse_reward_weights(self.reward)
         reward_terms(self)  # the length penalty's k, q and effort weights
         self._check_feedback()
         if not 0 <= self.replay_plausibility_threshold <= 1:
             raise ValueError(f"--replay-plausibility-threshold {self.replay_plausibility_threshold}; use [0, 1]")
+
+    def _check_policy_loss(self) -> None:
+        """PPO clipping only where a real old log-prob exists; clip flags only where a loss clips."""
+        if self.policy_loss == "ppo_clip" and self.ppo_mini_batches < 2:
+            raise ValueError("--policy-loss ppo_clip clips the ratio to the old policy, which is the trained "
+                             "policy itself with one update per step (ratio 1: clipping never acts); use "
+                             "--ppo-mini-batches 2 or more, or --policy-loss decoupled_ppo (against the sampler)")
+        if self.policy_loss == "dr_grpo" and self.clip_eps_low is not None:
+            raise ValueError(f"--clip-eps-low {self.clip_eps_low} has no effect with --policy-loss dr_grpo (no "
+                             "clipping); use --policy-loss ppo_clip --ppo-mini-batches 2+, or decoupled_ppo")
+        if self.clip_eps_high is not None and self.clip_eps_low is None:
+            raise ValueError(f"--clip-eps-high {self.clip_eps_high} needs --clip-eps-low too")
+        if self.prompts_per_step % self.ppo_mini_batches:
+            raise ValueError(f"--ppo-mini-batches {self.ppo_mini_batches} must divide --prompts-per-step "
+                             f"{self.prompts_per_step} (each mini-batch holds whole groups)")
 
     def _check_feedback(self) -> None:
         if not self.feedback_rules:

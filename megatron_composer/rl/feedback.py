@@ -33,7 +33,6 @@ The rules (each fires at most once per message):
 """
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import re
 from typing import Callable, Optional, Sequence
@@ -41,6 +40,7 @@ from typing import Callable, Optional, Sequence
 from ..data.tool_calls import format_tool_call
 from .agent import Trajectory
 from .agentic_rewards import thinking_comments
+from .batches import Hint
 from .tools import TOOLS
 
 Rule = Callable[[Trajectory], list]  # trajectory -> [(turn_index, hint_text), ...]
@@ -223,21 +223,6 @@ def resolve_rules(spec: str, *, judge_client=None, tokenizer=None,
             raise ValueError(f"--feedback-rules: unknown rule {name!r}; use a comma list of "
                              f"{', '.join([*FEEDBACK_RULES, 'judge'])} or package.module:function")
     return rules
-
-
-@dataclasses.dataclass
-class Hint:
-    """A note for one target message of one training sample (a trajectory segment).
-
-    start, end: the message's ids are the sample's `completion_ids[start:end]`;
-    note_ids: `<|role|> hint <|end|>`, inserted before the <|assistant|> that opens it.
-    """
-
-    rules: tuple
-    text: str
-    start: int
-    end: int
-    note_ids: list
 
 
 def fire_rules(rules: dict[str, Rule], trajectory: Trajectory) -> dict[int, list[tuple[str, str]]]:

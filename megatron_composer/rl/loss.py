@@ -18,18 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
+from ..inference.sampling import token_logprobs
 from .algorithms import policy_gradient_loss
 from .config import RLConfig
-
-
-def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log softmax(z / T)[label] per row: logits [T, V], labels [T] -> [T] float32 (differentiable)."""
-    z = logits.float()
-    if temperature != 1.0:
-        z = z / temperature
-    return -F.cross_entropy(z, labels, reduction="none")
 
 
 @dataclass
@@ -41,8 +33,8 @@ class PolicyLoss:
 
     @property
     def needs_old_logp(self) -> bool:
-        """Whether the loss needs the step's old log-probs even with one update (none does today: the
-        first update's old log-probs are its own, detached)."""
+        """Whether the loss needs the step's old log-probs computed by a forward (with one update the old
+        log-probs are the update's own, detached, and every registered loss accepts that)."""
         return False
 
     def count(self, batch, shift):
@@ -61,7 +53,8 @@ class PolicyLoss:
             logp, old_logp, batch.advantages[0], mask, normalizer=1.0,
             clip_eps_low=cfg.clip_eps_low, clip_eps_high=cfg.clip_eps_high,
             sampler_logp=batch.sampler_logp[0] if use_tis else None, tis_cap=cfg.tis_cap if use_tis else None,
-            logits=logits.float() / cfg.temperature, ref_logp=ref, kl_coef=kl_in_loss, kl_kind=cfg.kl_kind)
+            logits=logits.float() / cfg.temperature, ref_logp=ref, kl_coef=kl_in_loss, kl_kind=cfg.kl_kind,
+            policy_loss=cfg.policy_loss)
         keep = mask.bool()
         tokens = float(keep.sum())
         gap = (logp.detach() - batch.sampler_logp[0])[keep].abs()

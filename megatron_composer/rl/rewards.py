@@ -19,12 +19,21 @@ q > 1 is bounded by 1 / (k (q - 1)): small efforts cost about linearly,
 long ones ever less per unit. The recipe publishes neither k, q nor the
 weights; the defaults below are ours.
 
+The effort weights are `--length-penalty-weights`, parsed by
+`parse_effort_weights` ("thinking=1,tool_call=1,tool_output=1,final=1,
+tool_calls=0,turns=0", the defaults).
+
 Samples are duck-typed: a term reads the attributes it needs (the verdict
 terms a float of their own name, length `effort_counts: EffortCounts`). A new
-term is a function sample -> float, added with `register_reward_term`.
+term is a function sample -> float, added with `register_reward_term`; user
+code brings its own with `--reward-module pkg.mod` (a module that registers
+terms when imported) or by naming `pkg.mod:function` in `--reward`
+(`import_reward_terms`). Both resolve by name, so every process that scores
+(the driver, each Ray actor) finds the same terms by importing them itself.
 """
 from __future__ import annotations
 
+import importlib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Optional, Union
@@ -118,6 +127,43 @@ def effort(counts: EffortCounts, weights: EffortWeights) -> float:
     return float(sum(getattr(weights, f) * getattr(counts, f) for f in _EFFORT_FIELDS))
 
 
+# --length-penalty-weights keys -> EffortWeights fields
+EFFORT_WEIGHT_KEYS = {"thinking": "thinking_tokens", "tool_call": "tool_call_tokens",
+                      "tool_output": "tool_output_tokens", "final": "final_message_tokens",
+                      "tool_calls": "tool_calls", "turns": "turns"}
+
+
+def parse_effort_weights(spec: str) -> EffortWeights:
+    """Parse `--length-penalty-weights` "thinking=1,tool_call=1,tool_output=1,final=1,tool_calls=0,turns=0".
+
+    Keys (EFFORT_WEIGHT_KEYS): thinking, tool_call, tool_output and final weigh a
+    token of thinking, tool calls, tool output and the final message; tool_calls
+    and turns weigh each call and each model turn. A key left out keeps its
+    EffortWeights default (tokens 1, calls and turns 0); "" is every default.
+    """
+    weights: dict[str, float] = {}
+    for item in spec.split(",") if spec.strip() else []:
+        key, sep, value = (part.strip() for part in item.partition("="))
+        if not sep or not key or not value:
+            raise ValueError(f"--length-penalty-weights item {item.strip()!r} in {spec!r} is not key=weight; "
+                             "write e.g. thinking=1,tool_call=1,tool_output=1,final=1,tool_calls=0,turns=0")
+        if key not in EFFORT_WEIGHT_KEYS:
+            raise ValueError(f"--length-penalty-weights: unknown key {key!r} in {spec!r}; "
+                             f"use {', '.join(EFFORT_WEIGHT_KEYS)}")
+        field_name = EFFORT_WEIGHT_KEYS[key]
+        if field_name in weights:
+            raise ValueError(f"--length-penalty-weights: {key!r} appears twice in {spec!r}; give it once")
+        try:
+            weight = float(value)
+        except ValueError:
+            raise ValueError(f"--length-penalty-weights: weight {value!r} of {key!r} is not a number") from None
+        if not (math.isfinite(weight) and weight >= 0):
+            raise ValueError(f"--length-penalty-weights: weight of {key!r} is {weight}; "
+                             "weights are finite numbers >= 0")
+        weights[field_name] = weight
+    return EffortWeights(**weights)
+
+
 @dataclass(frozen=True)
 class LengthPenaltyConfig:
     """k, q and the effort weights of the "length" reward term."""
@@ -186,21 +232,73 @@ del _verdict
 register_reward_term("length", length_term(LengthPenaltyConfig()))
 
 
+def import_reward_terms(spec: str, *, registry: Optional[dict[str, RewardFn]] = None) -> list[str]:
+    """Make user reward terms known in this process; returns the term names this call added.
+
+    spec: a comma list of
+      - "pkg.mod" (`--reward-module`): the module is imported; it registers its
+        terms with `register_reward_term` when imported (REWARD_TERMS);
+      - "pkg.mod:function": `function` (sample -> float) is registered under the
+        name "pkg.mod:function" itself, as `--reward` names it.
+    registry: where "pkg.mod:function" terms go (default REWARD_TERMS).
+
+    Everything is found by name, so a process that did not run the driver's
+    code (a Ray actor) gets the same terms by calling this with the same spec;
+    the modules must be importable there (on its PYTHONPATH). Calling it again
+    is harmless: a module is imported once per process and a function already
+    registered under its name is kept.
+    """
+    registry = REWARD_TERMS if registry is None else registry
+    added: list[str] = []
+    for entry in (e.strip() for e in spec.split(",") if e.strip()):
+        module_name, colon, attr = (part.strip() for part in entry.partition(":"))
+        before = set(REWARD_TERMS)
+        module = _import_user_module(module_name, entry)
+        added += sorted(set(REWARD_TERMS) - before)
+        if not colon:
+            continue
+        fn = getattr(module, attr, None) if attr else None
+        if fn is None or not callable(fn):
+            found = "has no attribute" if fn is None else f"has {type(fn).__name__} {attr!r}, not a function,"
+            raise ValueError(f"reward term {entry!r}: module {module_name!r} {found} {attr!r}; "
+                             "name a function sample -> float as package.module:function")
+        if registry.get(entry) is not fn:
+            register_reward_term(entry, fn, registry=registry)
+            added.append(entry)
+    return added
+
+
+def _import_user_module(module_name: str, entry: str):
+    if not module_name or any(not part.isidentifier() for part in module_name.split(".")):
+        raise ValueError(f"reward module {entry!r} is not package.module or package.module:function")
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"reward module {module_name!r} (from {entry!r}) cannot be imported ({exc}); it must be "
+                         "importable in every process that scores: put its folder on PYTHONPATH") from exc
+    except Exception as exc:
+        raise ValueError(f"reward module {module_name!r} (from {entry!r}) raised while importing: {exc!r}") from exc
+
+
 def parse_reward_weights(spec: str, known: Optional[Iterable[str]] = None) -> dict[str, float]:
     """Parse `--reward` "correctness=1.0,length=0.001" into {"correctness": 1.0, "length": 0.001}.
 
-    known: the accepted term names (default: REWARD_TERMS). Spaces around items are ignored.
+    known: the accepted term names (default: REWARD_TERMS, where a
+    "pkg.mod:function" name is first imported and registered by
+    `import_reward_terms`). Spaces around items are ignored.
     """
-    known = sorted(REWARD_TERMS if known is None else known)
     weights: dict[str, float] = {}
     for item in spec.split(","):
         name, sep, value = (part.strip() for part in item.partition("="))
         if not sep or not name or not value:
             raise ValueError(f"--reward item {item.strip()!r} in {spec!r} is not name=weight; "
                              "write e.g. correctness=1.0,length=0.001")
-        if name not in known:
-            raise ValueError(f"unknown reward term {name!r} in --reward {spec!r}; known terms: {known} "
-                             "(register new ones with register_reward_term)")
+        if known is None and ":" in name and name not in REWARD_TERMS:
+            import_reward_terms(name)
+        names = sorted(REWARD_TERMS if known is None else known)
+        if name not in names:
+            raise ValueError(f"unknown reward term {name!r} in --reward {spec!r}; known terms: {names} "
+                             "(add yours with --reward-module pkg.mod, or name pkg.mod:function)")
         if name in weights:
             raise ValueError(f"reward term {name!r} appears twice in --reward {spec!r}; give it once")
         try:
@@ -254,38 +352,3 @@ def reward_terms(rl) -> dict[str, RewardFn]:
     """Every registered term, with "length" configured by an `RLConfig`'s length-penalty flags."""
     config = LengthPenaltyConfig(k=rl.length_penalty_k, q=rl.length_penalty_q, weights=rl.effort_weights)
     return {**REWARD_TERMS, "length": length_term(config)}
-
-
-def import_reward_modules(spec: str) -> None:
-    """Import each module of the comma list `spec` (`--reward-module`); importing registers its terms."""
-    import importlib
-
-    for name in (n.strip() for n in (spec or "").split(",")):
-        if not name:
-            continue
-        try:
-            importlib.import_module(name)
-        except ImportError as exc:
-            raise ValueError(f"--reward-module {name!r} cannot be imported ({exc}); put its package on "
-                             "PYTHONPATH (every Ray worker needs it too)") from None
-
-
-_EFFORT_KEYS = {"thinking": "thinking_tokens", "tool_call": "tool_call_tokens", "tool_output": "tool_output_tokens",
-                "final": "final_message_tokens", "tool_calls": "tool_calls", "turns": "turns"}
-
-
-def parse_effort_weights(spec: str) -> EffortWeights:
-    """`--length-penalty-weights thinking=1,tool_call=1,tool_output=1,final=1,tool_calls=0,turns=0`."""
-    values = {}
-    for item in (i.strip() for i in (spec or "").split(",")):
-        if not item:
-            continue
-        key, _, value = item.partition("=")
-        if key.strip() not in _EFFORT_KEYS:
-            raise ValueError(f"--length-penalty-weights: unknown weight {key.strip()!r}; use "
-                             f"{', '.join(_EFFORT_KEYS)}")
-        try:
-            values[_EFFORT_KEYS[key.strip()]] = float(value)
-        except ValueError:
-            raise ValueError(f"--length-penalty-weights: {item!r} needs a number, e.g. {key.strip()}=1") from None
-    return EffortWeights(**values)

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from ..config.model import ModelConfig
 from ..config.training import TrainingConfig
 from ..inference.engine import Engine
+from ..inference.sampling import token_logprobs
 from ..models import build_model, composer_forward
 from ..moe.replay import RouterReplayController
 from ..parallel import ParallelLayout, zigzag_batch
@@ -52,9 +53,9 @@ from .config import RLConfig
 from .environments import build_environment, merge_evaluations
 from .feedback import build_rules, feedback_metrics
 from .feedback_loss import FeedbackLoss, FeedbackTeacher, TeacherWeights
-from .loss import PolicyLoss, token_logprobs
+from .loss import PolicyLoss
 from .packing import attention_costs, plan_step
-from .rewards import EffortCounts, import_reward_modules, parse_reward_weights, reward_terms, score
+from .rewards import EffortCounts, import_reward_terms, parse_reward_weights, reward_terms, score
 
 
 class _Scored:
@@ -77,12 +78,9 @@ class RLTrainer:
                 raise ValueError(f"train_rl.py samples with an engine colocated on every rank, which holds whole "
                                  f"weights; {flag} {size} shards them; use {flag} 1 (data and context "
                                  f"parallelism work)")
-        if rl.prompts_per_step % rl.ppo_mini_batches:
-            raise ValueError(f"--ppo-mini-batches {rl.ppo_mini_batches} must divide --prompts-per-step "
-                             f"{rl.prompts_per_step} (each mini-batch holds whole groups)")
         self.trainer = t = Trainer(model_cfg, layout, TrainingData(train=None), cfg, log=log)
         self.rl, self.tokenizer = rl, tokenizer
-        import_reward_modules(rl.reward_module)  # in this process too (a Ray actor unpickles rl unchecked)
+        import_reward_terms(rl.reward_module)  # in this process too (a Ray actor unpickles rl unchecked)
         self.reward_weights = parse_reward_weights(rl.reward)
         self.reward_terms = reward_terms(rl)
         self.policy_loss = PolicyLoss(rl)

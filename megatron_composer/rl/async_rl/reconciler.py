@@ -138,18 +138,11 @@ class Reconciler:
         self.stats = collections.Counter(state.get("stats", {}))
 
 
-# ---- the buffer as checkpoint bytes (plain containers: loadable with torch.load(weights_only=True)) ----
-def _plain_sample(sample) -> dict:
-    out = {f.name: getattr(sample, f.name) for f in dataclasses.fields(sample)}
-    if out["effort"] is not None:
-        out["effort"] = dataclasses.asdict(out["effort"])
-    return out
-
-
+# ---- the buffer as checkpoint bytes (plain data: loadable with torch.load(weights_only=True)) ----
 def encode_state(state: dict) -> bytes:
-    """`Reconciler.state_dict()` as bytes for a checkpoint's extra file."""
+    """`Reconciler.state_dict()` as bytes for a checkpoint's extra file (samples as `RolloutSample.to_dict`)."""
     plain = dict(state, ready=[{"group_id": g.group_id, "launched_version": g.launched_version,
-                                "samples": [_plain_sample(s) for s in g.samples]} for g in state["ready"]])
+                                "samples": [s.to_dict() for s in g.samples]} for g in state["ready"]])
     buffer = io.BytesIO()
     torch.save(plain, buffer)
     return buffer.getvalue()
@@ -158,19 +151,11 @@ def encode_state(state: dict) -> bytes:
 def decode_state(data: bytes) -> dict:
     """The inverse of `encode_state`; ValueError when the bytes are not such a state."""
     from ..batches import RolloutSample
-    from ..rewards import EffortCounts
 
     try:
         plain = torch.load(io.BytesIO(data), weights_only=True)
-        ready = []
-        for g in plain["ready"]:
-            samples = []
-            for s in g["samples"]:
-                s = dict(s)
-                if s.get("effort") is not None:
-                    s["effort"] = EffortCounts(**s["effort"])
-                samples.append(RolloutSample(**s))
-            ready.append(Group(int(g["group_id"]), samples, int(g["launched_version"])))
+        ready = [Group(int(g["group_id"]), [RolloutSample.from_dict(s) for s in g["samples"]],
+                       int(g["launched_version"])) for g in plain["ready"]]
     except Exception as exc:  # noqa: BLE001 - any damage is the one error below
         raise ValueError(f"the checkpoint's RL buffer cannot be read ({exc}); resume from another "
                          f"checkpoint or start the RL run afresh") from exc

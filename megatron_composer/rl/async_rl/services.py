@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from ..backends import BackendCapabilities, RolloutBackend
+from ..backends import BackendCapabilities, RolloutBackend, check_backend
 from ..rollout import renumber
 from .reconciler import Group
 from .weight_sync import WeightPublisher, WeightSubscriber, WeightUpdate, bit_view
@@ -220,7 +220,7 @@ class RayBackend(RolloutBackend):
     """A `RolloutBackend` over an inference worker's Ray handle (the environments call `generate`)."""
 
     name = "ray"
-    capabilities = BackendCapabilities(routed_experts=True, truncated_logprobs=True, policy_versions=True)
+    capabilities = BackendCapabilities(routed_experts=True, policy_versions=True)
 
     def __init__(self, handle, timeout_s: Optional[float] = None):
         self.handle, self.timeout_s = handle, timeout_s
@@ -259,13 +259,15 @@ class EnvWorker:
         from ...data.tokenizer import Tokenizer
         from ..environments import build_environment
         from ..feedback import build_rules
-        from ..rewards import import_reward_modules
+        from ..rewards import import_reward_terms
 
-        import_reward_modules(spec.rl.reward_module)  # terms registered by user code, in this process too
+        import_reward_terms(spec.rl.reward_module)  # terms registered by user code, in this process too
         if backend is None:
             from ..backends import HTTPBackend
 
             backend = HTTPBackend(spec.server_url, max_concurrency=max(8, 4 * spec.rl.group_size))
+        if isinstance(backend, RolloutBackend):
+            check_backend(backend, router_replay=spec.rl.router_replay)
         self.spec, self.backend, self.rl = spec, backend, spec.rl
         self.tokenizer = Tokenizer(spec.tokenizer_model)
         self.env = build_environment(self.rl, self.tokenizer, spec.seq_length, split=spec.split,
