@@ -318,10 +318,10 @@ def test_hints_land_on_the_segment_of_their_message_after_a_summary(tmp_path):
 def test_train_rl_flags_reach_the_config():
     from megatron_composer.rl.arguments import parse_rl_args
 
-    _, _, rl = parse_rl_args(["--env", "agentic-coding", "--feedback-rules", "unknown_tool,failing_test",
+    rl = parse_rl_args(["--env", "agentic-coding", "--feedback-rules", "unknown_tool,failing_test",
                               "--feedback-coef", "0.5", "--feedback-kl", "forward", "--feedback-kl-topk", "64",
                               "--feedback-teacher", "lagged", "--feedback-teacher-lag", "4",
-                              "--feedback-hint-role", "system", "--feedback-long-thought-tokens", "32"])
+                              "--feedback-hint-role", "system", "--feedback-long-thought-tokens", "32"]).rl
     assert (rl.feedback_rules, rl.feedback_coef, rl.feedback_kl, rl.feedback_kl_topk) == (
         "unknown_tool,failing_test", 0.5, "forward", 64)
     assert (rl.feedback_teacher, rl.feedback_teacher_lag, rl.feedback_hint_role, rl.feedback_long_thought_tokens) == (

@@ -13,7 +13,8 @@ from typing import Optional
 from ..config import TrainingConfig
 from ..training.arguments import LoggingConfig, ModelSource, ParallelSizes, build_parser, parse_args
 from .algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS
-from .config import ENVS, KL_PLACEMENTS, AsyncConfig, RLConfig
+from .config import KL_PLACEMENTS, AsyncConfig, RLConfig
+from .environments import ENVIRONMENTS
 from .tasks import TASKS
 
 
@@ -79,7 +80,7 @@ def build_rl_parser():
     g.add_argument("--rollout-batch-size", type=int, default=d.rollout_batch_size, help="engine cache slots")
 
     g = p.add_argument_group("agentic environment (--env agentic-coding)")
-    g.add_argument("--env", choices=ENVS, default=d.env,
+    g.add_argument("--env", choices=sorted(ENVIRONMENTS), default=d.env,
                    help="single-turn: one completion scored by --task; agentic-coding: tool use in a sandbox")
     g.add_argument("--task-families", default=d.task_families,
                    help="comma list of coding task families (rl/tasks/coding), e.g. write-file,fix-bug")

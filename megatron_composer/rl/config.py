@@ -7,7 +7,6 @@ from typing import Optional
 from .algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS
 
 KL_PLACEMENTS = ("reward", "loss")
-ENVS = ("single-turn", "agentic-coding")
 
 
 @dataclass(frozen=True)
@@ -38,8 +37,8 @@ class RLConfig:
     replay_plausibility_threshold: float = 0.0
     micro_batch_tokens: int = 2048  # packed tokens per micro-batch
     rollout_batch_size: int = 64  # engine cache slots
-    # the environment: "single-turn" (one completion per sample, scored by --task) or
-    # "agentic-coding" (multi-turn tool use on --task-families; max_new_tokens is per turn)
+    # the environment, a name of environments.ENVIRONMENTS: "single-turn" (one completion per sample,
+    # scored by --task) or "agentic-coding" (multi-turn tool use on --task-families; max_new_tokens per turn)
     env: str = "single-turn"
     task_families: str = "write-file"
     max_turns: int = 6
@@ -72,8 +71,9 @@ class RLConfig:
             raise ValueError(f"--advantage {self.advantage!r}; use one of {', '.join(ADVANTAGE_ESTIMATORS)}")
         if self.kl_kind not in KL_ESTIMATORS:
             raise ValueError(f"--kl-kind {self.kl_kind!r}; use one of {', '.join(KL_ESTIMATORS)}")
-        if self.env not in ENVS:
-            raise ValueError(f"--env {self.env!r}; use one of {', '.join(ENVS)}")
+        from .environments import environment_class
+
+        environment_class(self.env).check(self)
         for name in ("max_turns", "max_observation_tokens", "summary_max_tokens", "episode_workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -81,13 +81,6 @@ class RLConfig:
             raise ValueError(f"--token-budget {self.token_budget} must be >= 1")
         if self.eval_tasks < 0 or self.eval_interval < 0:
             raise ValueError(f"--eval-tasks {self.eval_tasks} and --eval-interval {self.eval_interval} must be >= 0")
-        if self.env == "agentic-coding":
-            from .tasks.coding import FAMILIES
-
-            unknown = [f for f in self.families if f not in FAMILIES]
-            if unknown or not self.families:
-                raise ValueError(f"--task-families {self.task_families!r}: unknown family "
-                                 f"{(unknown or [''])[0]!r}; use a comma list of {', '.join(FAMILIES)}")
         if self.kl_placement not in KL_PLACEMENTS:
             raise ValueError(f"--kl-placement {self.kl_placement!r}; use one of {', '.join(KL_PLACEMENTS)}")
         if self.kl_coef < 0:
@@ -129,8 +122,6 @@ class RLConfig:
         from .feedback import HINT_ROLES, resolve_rules
         from .feedback_loss import KL_DIRECTIONS, TEACHERS
 
-        if self.env != "agentic-coding":
-            raise ValueError("--feedback-rules reads agent trajectories; use it with --env agentic-coding")
         for flag, value, allowed in (("--feedback-kl", self.feedback_kl, KL_DIRECTIONS),
                                      ("--feedback-teacher", self.feedback_teacher, TEACHERS),
                                      ("--feedback-hint-role", self.feedback_hint_role, HINT_ROLES)):
@@ -159,10 +150,10 @@ class RLConfig:
 
     @property
     def trajectory_tokens(self) -> int:
-        """The most tokens one trajectory generates (the loss normalizer's per-group length)."""
-        if self.env == "single-turn":
-            return self.max_new_tokens
-        return self.token_budget or self.max_turns * self.max_new_tokens
+        """The most tokens one trajectory generates (the loss normalizer's per-sample length)."""
+        from .environments import environment_class
+
+        return environment_class(self.env).trajectory_tokens(self)
 
 
 @dataclass(frozen=True)

@@ -39,18 +39,37 @@ def register_environment(name: str):
     return add
 
 
+def environment_class(name: str):
+    """The registered environment `name` (`--env`); ValueError listing the names otherwise."""
+    if name not in ENVIRONMENTS:
+        raise ValueError(f"--env {name!r}; use one of {', '.join(sorted(ENVIRONMENTS))}")
+    return ENVIRONMENTS[name]
+
+
 def build_environment(rl, tokenizer, seq_length: int, *, split: str = "train", count: Optional[int] = None,
                       long_tail: Optional[float] = None) -> "Environment":
     """The `rl.env` environment (`--env`) for contexts of `seq_length` tokens."""
-    if rl.env not in ENVIRONMENTS:
-        raise ValueError(f"--env {rl.env!r}; use one of {', '.join(sorted(ENVIRONMENTS))}")
-    return ENVIRONMENTS[rl.env](rl, tokenizer, seq_length, split=split, count=count, long_tail=long_tail)
+    return environment_class(rl.env)(rl, tokenizer, seq_length, split=split, count=count, long_tail=long_tail)
 
 
 class Environment:
     """The interface (module docstring)."""
 
     name = "abstract"
+    held_out = False  # has a held-out evaluation (`evaluate`)
+    feedback = False  # its samples can carry textual-feedback hints (`set_feedback_rules`)
+
+    @classmethod
+    def check(cls, rl) -> None:
+        """ValueError naming a flag of `rl` this environment cannot run with (at parse time)."""
+        if rl.feedback_rules and not cls.feedback:
+            raise ValueError(f"--feedback-rules reads agent trajectories; --env {cls.name} has none; use "
+                             f"it with --env {', '.join(n for n, c in ENVIRONMENTS.items() if c.feedback)}")
+
+    @classmethod
+    def trajectory_tokens(cls, rl) -> int:
+        """The most tokens one trajectory generates (the policy loss's per-sample length)."""
+        return rl.max_new_tokens
 
     def __init__(self, rl, tokenizer, seq_length: int, *, split: str = "train", count: Optional[int] = None,
                  long_tail: Optional[float] = None):
@@ -122,6 +141,22 @@ class SingleTurnEnvironment(Environment):
 @register_environment("agentic-coding")
 class AgenticEnvironment(Environment):
     """Tool use in a sandbox on coding tasks (`agentic.AgenticCodingEnv`), with textual-feedback hints."""
+
+    held_out = True
+    feedback = True
+
+    @classmethod
+    def check(cls, rl) -> None:
+        from .tasks.coding import FAMILIES
+
+        unknown = [f for f in rl.families if f not in FAMILIES]
+        if unknown or not rl.families:
+            raise ValueError(f"--task-families {rl.task_families!r}: unknown family "
+                             f"{(unknown or [''])[0]!r}; use a comma list of {', '.join(FAMILIES)}")
+
+    @classmethod
+    def trajectory_tokens(cls, rl) -> int:
+        return rl.token_budget or rl.max_turns * rl.max_new_tokens
 
     def __init__(self, rl, tokenizer, seq_length, **kwargs):
         super().__init__(rl, tokenizer, seq_length, **kwargs)

@@ -35,6 +35,7 @@ import os
 import time
 from typing import Callable, Optional
 
+from ..environments import environment_class
 from ..report import StepReport
 from ..rollout import due
 from .reconciler import Reconciler, decode_state, encode_state, token_lags
@@ -104,7 +105,7 @@ class AsyncRLRunner:
             RayBackend(self.inference[i % len(self.inference)], timeout_s=args.group_timeout_s))
             for i in range(args.env_workers)]
         self.evaluator = None
-        if rl.eval_tasks and rl.env == "agentic-coding":
+        if rl.eval_tasks and environment_class(rl.env).held_out:
             self.evaluator = ray.remote(**restart)(Evaluator).remote(spec, info["model_config"], count=rl.eval_tasks)
         inflight = args.max_inflight_groups or 2 * rl.prompts_per_step
         self.reconciler = Reconciler(rl.prompts_per_step, max_inflight_groups=inflight,
