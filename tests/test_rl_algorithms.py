@@ -95,7 +95,7 @@ def test_kl_in_the_reward():
         kl_penalized_rewards(torch.zeros(2), torch.zeros(3), 0.1)
 
 
-def test_default_normalizer_is_groups_times_max_new_tokens():
+def test_default_normalizer_is_samples_times_max_new_tokens():
     assert default_normalizer(4, 512) == 2048.0
     with pytest.raises(ValueError, match="num_groups 0"):
         default_normalizer(0, 512)

@@ -143,15 +143,17 @@ def kl_penalized_rewards(rewards: Tensor, kl_per_token_sums: Tensor, kl_coef: fl
     return rewards - kl_coef * kl_per_token_sums
 
 
-def default_normalizer(num_groups: int, max_new_tokens: int) -> float:
-    """The loss normalizer the loop uses: num_groups * max_new_tokens, one constant per step.
+def default_normalizer(num_samples: int, max_new_tokens: int) -> float:
+    """The loss normalizer the loop uses: num_samples * max_new_tokens, one constant per update.
 
-    A constant (not the number of generated tokens) keeps every token's weight
-    independent of how long the other samples in the step happen to be.
+    Dr.GRPO's reference divides each sample's token sum by the generation budget
+    and averages over the samples: the same constant. A constant (not the number
+    of generated tokens) keeps every token's weight independent of how long the
+    other samples in the step happen to be.
     """
-    if num_groups < 1 or max_new_tokens < 1:
-        raise ValueError(f"num_groups {num_groups} and max_new_tokens {max_new_tokens} must both be >= 1")
-    return float(num_groups * max_new_tokens)
+    if num_samples < 1 or max_new_tokens < 1:
+        raise ValueError(f"num_samples {num_samples} and max_new_tokens {max_new_tokens} must both be >= 1")
+    return float(num_samples * max_new_tokens)
 
 
 def token_entropy(logits: Tensor) -> Tensor:
@@ -185,7 +187,7 @@ def policy_gradient_loss(
     l_t is `policy_losses.get_policy_loss(policy_loss)` (each loss documents its
     formula); policy_loss None picks "ppo_clip" when clip_eps_low is set and
     "dr_grpo" otherwise. The sum runs over every masked-in token and is divided
-    by one constant, `normalizer` (the loop passes default_normalizer(num_groups,
+    by one constant, `normalizer` (the loop passes default_normalizer(num_samples,
     max_new_tokens)), never by a sample's own length, so every token of every
     sample weighs 1 / normalizer; micro-batches and data-parallel ranks add up
     (pass normalizer / dp_size where the data-parallel reduction averages).

@@ -113,7 +113,7 @@ def check_policy_loss_inputs(logp: Tensor, old_logp: Optional[Tensor], sampler_l
                          f"{tuple(logp.shape)}; broadcast each sample's advantage over its tokens") from None
     if isinstance(normalizer, bool) or not (isinstance(normalizer, (int, float)) and 0 < normalizer < math.inf):
         raise ValueError(f"normalizer {normalizer!r} must be a positive finite number; "
-                         "use default_normalizer(num_groups, max_new_tokens)")
+                         "use default_normalizer(num_samples, max_new_tokens)")
 
 
 def importance_weight(numerator_logp: Tensor, denominator_logp: Tensor, keep: Tensor,
