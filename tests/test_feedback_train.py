@@ -195,5 +195,33 @@ def test_the_async_services_carry_the_hints_to_the_trainer(data_dir, tmp_path, m
         assert all(len(s.hints) == 1 and s.hints[0].rules == ("unknown_tool",) for g in groups for s in g.samples)
         metrics, _ = trainer.train_step(groups)
         assert metrics["feedback hints unknown_tool"] == 4 and metrics["feedback kl"] > 0
+        _resume_with_hints_in_the_buffer(trainer, argv, env, tmp_path)
     finally:
         trainer.close()
+
+
+def _resume_with_hints_in_the_buffer(trainer, argv, env, tmp_path):
+    """A checkpoint whose reconciler buffer holds hinted groups, then a new trainer actor on --load (what a
+    killed job's restart does): the buffer loads (weights_only) and every hint comes back."""
+    from megatron_composer.rl.async_rl.reconciler import Group, Reconciler, decode_state, encode_state
+    from megatron_composer.rl.async_rl.services import TrainerWorker
+
+    held = env.run_group(5, 1)
+    rec = Reconciler(2, max_inflight_groups=2, max_policy_lag=2)
+    rec.to_launch(1)
+    rec.complete(Group(0, held.samples, launched_version=1))
+    trainer.save(encode_state(rec.state_dict()))
+    resumed = TrainerWorker(argv + ["--load", str(tmp_path / "rl")], 0, 1)
+    resumed.setup(*resumed.address())
+    try:
+        info = resumed.describe()
+        assert info["iteration"] == 1 and info["buffer"] is not None
+        restored = Reconciler(2, max_inflight_groups=2, max_policy_lag=2)
+        restored.load_state_dict(decode_state(info["buffer"]))
+        (group,) = restored.ready
+        assert [s.hints for s in group.samples] == [s.hints for s in held.samples]
+        assert all(s.hints for s in group.samples)
+        metrics, _ = resumed.train_step([group, group])  # the held groups train after the restart
+        assert metrics["feedback hints unknown_tool"] == 2 * len(held.samples)
+    finally:
+        resumed.close()
