@@ -114,7 +114,7 @@ def test_unknown_family_is_named():
     from megatron_composer.rl.config import RLConfig
 
     with pytest.raises(ValueError, match="write-files"):
-        RLConfig(env="agentic-coding", task_families="write-files")
+        RLConfig.from_flat(env="agentic-coding", task_families="write-files")
 
 
 def test_routes_of_segments_cover_every_token(write_task, tmp_path):

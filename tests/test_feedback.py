@@ -278,8 +278,8 @@ def test_teacher_rows_are_aligned_with_the_message_tokens(tmp_path):
 def test_feedback_flags_are_checked():
     from megatron_composer.rl.config import RLConfig
 
-    ok = RLConfig(env="agentic-coding", feedback_rules="unknown_tool,judge")
-    assert ok.feedback_kl == "reverse" and ok.feedback_teacher == "current"
+    ok = RLConfig.from_flat(env="agentic-coding", feedback_rules="unknown_tool,judge")
+    assert ok.feedback.kl == "reverse" and ok.feedback.teacher == "current"
     for fields, match in (({"feedback_rules": "unknown_tool"}, "--env agentic-coding"),
                           ({"env": "agentic-coding", "feedback_rules": "nope"}, "unknown rule 'nope'"),
                           ({"env": "agentic-coding", "feedback_rules": "unknown_tool", "feedback_kl": "js"},
@@ -287,7 +287,7 @@ def test_feedback_flags_are_checked():
                           ({"env": "agentic-coding", "feedback_rules": "unknown_tool", "feedback_coef": -1},
                            "--feedback-coef -1")):
         with pytest.raises(ValueError, match=match):
-            RLConfig(**fields)
+            RLConfig.from_flat(**fields)
     assert feedback.HINT_ROLES == ("user", "system")
 
 
@@ -322,9 +322,9 @@ def test_train_rl_flags_reach_the_config():
                               "--feedback-coef", "0.5", "--feedback-kl", "forward", "--feedback-kl-topk", "64",
                               "--feedback-teacher", "lagged", "--feedback-teacher-lag", "4",
                               "--feedback-hint-role", "system", "--feedback-long-thought-tokens", "32"]).rl
-    assert (rl.feedback_rules, rl.feedback_coef, rl.feedback_kl, rl.feedback_kl_topk) == (
+    assert (rl.feedback.rules, rl.feedback.coef, rl.feedback.kl, rl.feedback.kl_topk) == (
         "unknown_tool,failing_test", 0.5, "forward", 64)
-    assert (rl.feedback_teacher, rl.feedback_teacher_lag, rl.feedback_hint_role, rl.feedback_long_thought_tokens) == (
+    assert (rl.feedback.teacher, rl.feedback.teacher_lag, rl.feedback.hint_role, rl.feedback.long_thought_tokens) == (
         "lagged", 4, "system", 32)
     with pytest.raises(SystemExit):
         parse_rl_args(["--env", "agentic-coding", "--feedback-rules", "unknown_tool", "--feedback-kl", "both"])

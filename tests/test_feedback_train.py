@@ -24,7 +24,7 @@ def _trainer(tokenizer_model, micro_batch_tokens=4096, **rl_fields):
     cfg = TrainingConfig(seq_length=512, micro_batch_size=1, train_iters=1, stage="rl", seed=7,
                          optimizer=OptimizerConfig(lr=1e-3, lr_warmup_iters=0, lr_decay_iters=1))
     layout = ParallelLayout(world_size=dist.get_world_size(), num_experts=model_cfg.num_experts)
-    rl = RLConfig(**{"env": "agentic-coding", "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 16,
+    rl = RLConfig.from_flat(**{"env": "agentic-coding", "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 16,
                      "feedback_rules": "unknown_tool", "feedback_coef": 1.0, **rl_fields},
                   micro_batch_tokens=micro_batch_tokens)
     return RLTrainer(model_cfg, layout, cfg, rl, Tokenizer(tokenizer_model))

@@ -97,7 +97,7 @@ def test_kl_in_the_reward():
 
 def test_default_normalizer_is_samples_times_max_new_tokens():
     assert default_normalizer(4, 512) == 2048.0
-    with pytest.raises(ValueError, match="num_groups 0"):
+    with pytest.raises(ValueError, match="num_samples 0"):
         default_normalizer(0, 512)
 
 

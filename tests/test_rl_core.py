@@ -27,7 +27,7 @@ def _trainer(tokenizer_model, lr=1e-2, **rl_fields):
                          optimizer=OptimizerConfig(lr=lr, min_lr=lr, lr_warmup_iters=0, lr_decay_iters=4,
                                                    clip_grad=0.0))
     layout = ParallelLayout(world_size=1, num_experts=model_cfg.num_experts)
-    rl = RLConfig(**{**SAMPLES, **rl_fields})
+    rl = RLConfig.from_flat(**{**SAMPLES, **rl_fields})
     return RLTrainer(model_cfg, layout, cfg, rl, Tokenizer(tokenizer_model))
 
 
@@ -137,7 +137,7 @@ def test_length_penalty_weights_reach_the_length_term():
     x = 10 + 4 + 0 * 100 + 6 + 2 * 3 + 1 * 2  # = 28
     k, q = 1e-3, 0.5
     expected = -((1 + k * x) ** (1 - q) - 1) / (k * (1 - q))
-    assert reward_terms(rl)["length"](sample) == pytest.approx(expected, rel=1e-12)
+    assert reward_terms(rl.reward)["length"](sample) == pytest.approx(expected, rel=1e-12)
 
 
 TERMS_MODULE = '''

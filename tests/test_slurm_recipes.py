@@ -179,8 +179,8 @@ def test_every_flag_is_one_the_entry_script_defines(name, tmp_path):
 
         run = parse_rl_args(argv)  # a bad value raises or exits here
         rl = run.rl
-        assert run.async_rl.enabled and run.async_rl.ray_address == "127.0.0.1:6379" and rl.env == "agentic-coding"
-        assert set(rl.task_families.split(",")) <= set(FAMILIES)  # the tiny run trains on write-file only
+        assert run.async_rl.enabled and run.async_rl.ray_address == "127.0.0.1:6379" and rl.environment.name == "agentic-coding"
+        assert set(rl.environment.task_families.split(",")) <= set(FAMILIES)  # the tiny run trains on write-file only
     elif name == "convert.sbatch":
         args = entry_module(ENTRY[name]).parse_args(argv)
         assert (args.direction, args.save) == ("hf-to-mcore", str(tmp_path / "ckpt" / "base"))

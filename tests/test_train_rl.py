@@ -32,7 +32,7 @@ def _rl_trainer(tokenizer_model, cp=1, micro_batch_tokens=4096, **rl_fields):
                          optimizer=OptimizerConfig(lr=1e-3, lr_warmup_iters=0, lr_decay_iters=1))
     layout = ParallelLayout(world_size=dist.get_world_size(), cp=cp, num_experts=model_cfg.num_experts)
     # k1 KL in the reward: the reference model's forward runs on each rank's CP share too
-    rl = RLConfig(**{**SAMPLES, "kl_coef": 0.05, **rl_fields}, micro_batch_tokens=micro_batch_tokens)
+    rl = RLConfig.from_flat(**{**SAMPLES, "kl_coef": 0.05, **rl_fields}, micro_batch_tokens=micro_batch_tokens)
     trainer = RLTrainer(model_cfg, layout, cfg, rl, Tokenizer(tokenizer_model))
     trainer.build_reference()
     # a deterministic verdict that differs between samples, so advantages are not all zero
@@ -171,7 +171,7 @@ def _agentic_dp2(rank, world, tokenizer_model):
     cfg = TrainingConfig(seq_length=512, micro_batch_size=1, train_iters=1, stage="rl",
                          optimizer=OptimizerConfig(lr=1e-3, lr_warmup_iters=0, lr_decay_iters=1))
     layout = ParallelLayout(world_size=dist.get_world_size(), num_experts=model_cfg.num_experts)
-    rl = RLConfig(env="agentic-coding", task_families="write-file", prompts_per_step=2, group_size=2,
+    rl = RLConfig.from_flat(env="agentic-coding", task_families="write-file", prompts_per_step=2, group_size=2,
                   max_new_tokens=16, max_turns=2, micro_batch_tokens=1024, episode_workers=2)
     trainer = RLTrainer(model_cfg, layout, cfg, rl, Tokenizer(tokenizer_model))
     samples = trainer.rollouts(0)

@@ -33,12 +33,21 @@ class RLRunConfig:
     distributed_timeout_minutes: int
 
 
+class _FlatDefaults:
+    """RLConfig's defaults under the flags' names (`d.group_size`, `d.feedback_rules`)."""
+
+    def __init__(self):
+        rl = RLConfig()
+        for dest, (section, name) in RLConfig.flag_names().items():
+            setattr(self, dest, getattr(getattr(rl, section), name))
+
+
 def build_rl_parser():
     p = build_parser()
     p.prog = "train_rl.py"
     p.description = ("Composer RL on megatron-core: groups sampled by the colocated engine, Dr.GRPO, "
                      "router replay, balanced packing.")
-    d = RLConfig()
+    d = _FlatDefaults()
     g = p.add_argument_group("reinforcement learning")
     g.add_argument("--task", choices=sorted(TASKS), default=d.task)
     g.add_argument("--group-size", type=int, default=d.group_size, help="samples per prompt")
@@ -166,11 +175,11 @@ def parse_rl_args(argv: Optional[list[str]] = None) -> RLRunConfig:
                          "itself with --eval-tasks / --eval-interval; evaluate RL checkpoints with "
                          "tools/eval_base.py --load <checkpoint>")
     cfg = TrainingConfig.from_args(args)
-    values = {f: getattr(args, f) for f in RLConfig.__dataclass_fields__}
+    values = {f: getattr(args, f) for f in RLConfig.flag_names()}
     values["eval_interval"] = args.eval_interval or 0  # the shared --eval-interval
-    rl = RLConfig(**values)
-    if rl.micro_batch_tokens < args.seq_length:
-        raise ValueError(f"--rl-micro-batch-tokens {rl.micro_batch_tokens} is below --seq-length "
+    rl = RLConfig.from_flat(**values)
+    if rl.algorithm.micro_batch_tokens < args.seq_length:
+        raise ValueError(f"--rl-micro-batch-tokens {rl.algorithm.micro_batch_tokens} is below --seq-length "
                          f"{args.seq_length}: a sample of full length would fit no micro-batch")
     async_rl = AsyncConfig(**{f: getattr(args, f) for f in AsyncConfig.__dataclass_fields__ if f != "enabled"},
                            enabled=args.async_rl or args.ray_address is not None)

@@ -28,10 +28,10 @@ def build_rl_trainer(run: RLRunConfig, *, log=None) -> RLTrainer:
     log = log or run.logging.logger(env.rank)
     trainer = RLTrainer(model_cfg, layout, run.training, run.rl, tokenizer, log=log)
     rl, counts = run.rl, count_parameters(model_cfg)
-    log.print(f"> {trainer.env.describe()}, {rl.prompts_per_step} x {rl.group_size} samples per step, "
-              f"{rl.max_new_tokens} new tokens, advantage {rl.advantage}, policy loss {rl.policy_loss}"
-              f"{f' in {rl.ppo_mini_batches} mini-batches' if rl.ppo_mini_batches > 1 else ''}, "
-              f"kl {rl.kl_coef} ({rl.kl_kind} in the {rl.kl_placement}), router replay "
+    log.print(f"> {trainer.env.describe()}, {rl.rollout.prompts_per_step} x {rl.rollout.group_size} samples per step, "
+              f"{rl.rollout.max_new_tokens} new tokens, advantage {rl.algorithm.advantage}, policy loss {rl.algorithm.policy_loss}"
+              f"{f' in {rl.algorithm.ppo_mini_batches} mini-batches' if rl.algorithm.ppo_mini_batches > 1 else ''}, "
+              f"kl {rl.algorithm.kl_coef} ({rl.algorithm.kl_kind} in the {rl.algorithm.kl_placement}), router replay "
               f"{'on' if trainer.replay is not None else 'off'}; model {counts.total / 1e6:.2f}M parameters, "
               f"DP={trainer.dp_size} CP={layout.cp}")
     return trainer

@@ -48,8 +48,8 @@ def environment_class(name: str):
 
 def build_environment(rl, tokenizer, seq_length: int, *, split: str = "train", count: Optional[int] = None,
                       long_tail: Optional[float] = None) -> "Environment":
-    """The `rl.env` environment (`--env`) for contexts of `seq_length` tokens."""
-    return environment_class(rl.env)(rl, tokenizer, seq_length, split=split, count=count, long_tail=long_tail)
+    """The `rl.environment.name` environment (`--env`) for contexts of `seq_length` tokens."""
+    return environment_class(rl.environment.name)(rl, tokenizer, seq_length, split=split, count=count, long_tail=long_tail)
 
 
 class Environment:
@@ -62,14 +62,14 @@ class Environment:
     @classmethod
     def check(cls, rl) -> None:
         """ValueError naming a flag of `rl` this environment cannot run with (at parse time)."""
-        if rl.feedback_rules and not cls.feedback:
+        if rl.feedback.rules and not cls.feedback:
             raise ValueError(f"--feedback-rules reads agent trajectories; --env {cls.name} has none; use "
                              f"it with --env {', '.join(n for n, c in ENVIRONMENTS.items() if c.feedback)}")
 
     @classmethod
     def trajectory_tokens(cls, rl) -> int:
         """The most tokens one trajectory generates (the policy loss's per-sample length)."""
-        return rl.max_new_tokens
+        return rl.rollout.max_new_tokens
 
     def __init__(self, rl, tokenizer, seq_length: int, *, split: str = "train", count: Optional[int] = None,
                  long_tail: Optional[float] = None):
@@ -78,7 +78,7 @@ class Environment:
         self.pool: list = []
 
     def seeds(self, seed: int, group_id: int) -> list[int]:
-        return [sample_seed(seed, group_id, i, self.rl.group_size) for i in range(self.rl.group_size)]
+        return [sample_seed(seed, group_id, i, self.rl.rollout.group_size) for i in range(self.rl.rollout.group_size)]
 
     def task_of(self, group_id: int):
         return self.pool[group_id % len(self.pool)]
@@ -95,11 +95,11 @@ class Environment:
         raise NotImplementedError
 
     def _room(self) -> int:
-        return self.seq_length - self.rl.max_new_tokens
+        return self.seq_length - self.rl.rollout.max_new_tokens
 
     def _no_fit(self, what: str) -> ValueError:
         return ValueError(f"no {what} fits --seq-length {self.seq_length} with --max-new-tokens "
-                          f"{self.rl.max_new_tokens}; raise --seq-length or lower --max-new-tokens")
+                          f"{self.rl.rollout.max_new_tokens}; raise --seq-length or lower --max-new-tokens")
 
 
 @register_environment("single-turn")
@@ -111,31 +111,31 @@ class SingleTurnEnvironment(Environment):
         from ..data.sft import render_chat
         from .tasks import get_task
 
-        self.task = get_task(rl.task)
+        self.task = get_task(rl.environment.task)
         for prompt in self.task.prompts():
             ids = render_chat(list(prompt.messages), tokenizer, add_generation_prompt=True)[0]
             if len(ids) <= self._room():
                 self.pool.append((prompt, ids))
         if not self.pool:
-            raise self._no_fit(f"{rl.task} prompt")
+            raise self._no_fit(f"{rl.environment.task} prompt")
 
     def run_group(self, backend, group_id, seeds):
         rl, tok = self.rl, self.tokenizer
         prompt, ids = self.task_of(group_id)
-        lengths, stop = [rl.max_new_tokens] * len(seeds), (tok.chat["end"], tok.eod)
+        lengths, stop = [rl.rollout.max_new_tokens] * len(seeds), (tok.chat["end"], tok.eod)
         if self.long_tail:  # benchmarks: a long-tailed length per sample (Pareto, median ~ max / 8), no stop
             rng = random.Random(seeds[0])
-            lengths = [max(1, min(rl.max_new_tokens, math.ceil(rl.max_new_tokens / 8 * rng.paretovariate(
+            lengths = [max(1, min(rl.rollout.max_new_tokens, math.ceil(rl.rollout.max_new_tokens / 8 * rng.paretovariate(
                 self.long_tail)))) for _ in seeds]
             stop = ()
-        params = [sampling_params(rl, seed=s, max_tokens=n, stop_token_ids=stop, routed_experts=rl.router_replay)
+        params = [sampling_params(rl, seed=s, max_tokens=n, stop_token_ids=stop, routed_experts=rl.algorithm.router_replay)
                   for n, s in zip(lengths, seeds)]
         with concurrent.futures.ThreadPoolExecutor(len(params)) as pool:  # one batch in the backend
             outs = list(pool.map(lambda p: backend.generate([ids], p)[0], params))
         return [completion_sample(group_id, i, out, tok, self.task, prompt) for i, out in enumerate(outs)]
 
     def describe(self):
-        return f"RL task {self.rl.task}: {len(self.pool)} prompts"
+        return f"RL task {self.rl.environment.task}: {len(self.pool)} prompts"
 
 
 @register_environment("agentic-coding")
@@ -149,27 +149,27 @@ class AgenticEnvironment(Environment):
     def check(cls, rl) -> None:
         from .tasks.coding import FAMILIES
 
-        unknown = [f for f in rl.families if f not in FAMILIES]
-        if unknown or not rl.families:
-            raise ValueError(f"--task-families {rl.task_families!r}: unknown family "
+        unknown = [f for f in rl.environment.families if f not in FAMILIES]
+        if unknown or not rl.environment.families:
+            raise ValueError(f"--task-families {rl.environment.task_families!r}: unknown family "
                              f"{(unknown or [''])[0]!r}; use a comma list of {', '.join(FAMILIES)}")
 
     @classmethod
     def trajectory_tokens(cls, rl) -> int:
-        return rl.token_budget or rl.max_turns * rl.max_new_tokens
+        return rl.environment.token_budget or rl.environment.max_turns * rl.rollout.max_new_tokens
 
     def __init__(self, rl, tokenizer, seq_length, **kwargs):
         super().__init__(rl, tokenizer, seq_length, **kwargs)
         from .agent import Agent, system_prompt
         from .agentic import AgenticCodingEnv
 
-        self.episodes = AgenticCodingEnv(rl.families, split=self.split, count=self.count,
-                                         sandbox_kwargs={"timeout_s": rl.sandbox_timeout_s})
+        self.episodes = AgenticCodingEnv(rl.environment.families, split=self.split, count=self.count,
+                                         sandbox_kwargs={"timeout_s": rl.environment.sandbox_timeout_s})
         probe = Agent(None, tokenizer, self.agent_config(routed_experts=False))
         self.pool = [t for t in self.episodes.tasks() if len(probe.segment_prompt(
             system_prompt(self.episodes.tool_names), t.instruction, None)) <= self._room()]
         if not self.pool:
-            raise self._no_fit(f"{','.join(rl.families)} task")
+            raise self._no_fit(f"{','.join(rl.environment.families)} task")
         self.rules: Optional[dict] = None  # feedback rules (`set_feedback_rules`)
 
     def agent_config(self, *, routed_experts: bool, **overrides):
@@ -177,12 +177,12 @@ class AgenticEnvironment(Environment):
         from .agent import AgentConfig
 
         rl = self.rl
-        config = AgentConfig(max_turns=rl.max_turns, max_turn_tokens=rl.max_new_tokens,
-                             max_context_tokens=self.seq_length, max_total_tokens=rl.token_budget,
-                             max_observation_tokens=rl.max_observation_tokens,
-                             summary_trigger_tokens=rl.summary_trigger_tokens, max_summaries=rl.max_summaries,
-                             summary_max_tokens=rl.summary_max_tokens, temperature=rl.temperature,
-                             top_p=rl.top_p, return_routed_experts=routed_experts)
+        config = AgentConfig(max_turns=rl.environment.max_turns, max_turn_tokens=rl.rollout.max_new_tokens,
+                             max_context_tokens=self.seq_length, max_total_tokens=rl.environment.token_budget,
+                             max_observation_tokens=rl.environment.max_observation_tokens,
+                             summary_trigger_tokens=rl.environment.summary_trigger_tokens, max_summaries=rl.environment.max_summaries,
+                             summary_max_tokens=rl.environment.summary_max_tokens, temperature=rl.rollout.temperature,
+                             top_p=rl.rollout.top_p, return_routed_experts=routed_experts)
         return dataclasses.replace(config, **overrides)
 
     def set_feedback_rules(self, rules: Optional[dict]) -> None:
@@ -192,11 +192,11 @@ class AgenticEnvironment(Environment):
         from .agent import Agent
 
         rl = self.rl
-        agent = Agent(backend, self.tokenizer, self.agent_config(routed_experts=rl.router_replay))
+        agent = Agent(backend, self.tokenizer, self.agent_config(routed_experts=rl.algorithm.router_replay))
         task = self.task_of(group_id)
-        results = self.episodes.episodes(agent, [(task, s) for s in seeds], max_workers=rl.episode_workers)
-        return episode_samples(results, [group_id] * len(seeds), rl.group_size, self.tokenizer, self.rules,
-                               rl.feedback_hint_role)
+        results = self.episodes.episodes(agent, [(task, s) for s in seeds], max_workers=rl.environment.episode_workers)
+        return episode_samples(results, [group_id] * len(seeds), rl.rollout.group_size, self.tokenizer, self.rules,
+                               rl.feedback.hint_role)
 
     def evaluate(self, backend, *, workers, shard: tuple[int, int] = (0, 1)):
         """Greedy episodes of tasks `rank::world` of `shard` (seed = task index): `agentic.summarize`'s
@@ -213,8 +213,8 @@ class AgenticEnvironment(Environment):
 
     def describe(self):
         rl = self.rl
-        return (f"RL env {self.name} ({rl.task_families}): {len(self.pool)} tasks, up to {rl.max_turns} turns "
-                f"of {rl.max_new_tokens} tokens, summaries at {rl.summary_trigger_tokens or 'never'}")
+        return (f"RL env {self.name} ({rl.environment.task_families}): {len(self.pool)} tasks, up to {rl.environment.max_turns} turns "
+                f"of {rl.rollout.max_new_tokens} tokens, summaries at {rl.environment.summary_trigger_tokens or 'never'}")
 
 
 def merge_evaluations(parts: list[dict]) -> dict:

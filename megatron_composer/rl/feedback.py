@@ -295,12 +295,12 @@ def feedback_metrics(samples: Sequence, trajectories: int, rules: Sequence[str],
 def build_rules(rl, *, client=None, tokenizer=None) -> dict[str, Rule]:
     """The rules of an `RLConfig` (`--feedback-rules`); the judge writes with a server given by
     `--feedback-judge-url`, else with `client` (the policy's engine or inference worker)."""
-    if not rl.feedback_rules:
+    if not rl.feedback.rules:
         return {}
     judge = client
-    if rl.feedback_judge_url and "judge" in [n.strip() for n in rl.feedback_rules.split(",")]:
+    if rl.feedback.judge_url and "judge" in [n.strip() for n in rl.feedback.rules.split(",")]:
         from ..inference.client import HTTPRolloutClient
 
-        judge = HTTPRolloutClient(rl.feedback_judge_url)
-    return resolve_rules(rl.feedback_rules, judge_client=judge, tokenizer=tokenizer,
-                         long_thought_tokens=rl.feedback_long_thought_tokens)
+        judge = HTTPRolloutClient(rl.feedback.judge_url)
+    return resolve_rules(rl.feedback.rules, judge_client=judge, tokenizer=tokenizer,
+                         long_thought_tokens=rl.feedback.long_thought_tokens)

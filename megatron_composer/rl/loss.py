@@ -44,17 +44,17 @@ class PolicyLoss:
         cfg = self.cfg
         logits = out.logits[0]  # [T, V]
         labels, mask = batch.labels[0], batch.loss_mask[0]
-        logp = token_logprobs(logits, labels, cfg.temperature)
-        kl_in_loss = cfg.kl_coef if cfg.kl_placement == "loss" else 0.0
+        logp = token_logprobs(logits, labels, cfg.rollout.temperature)
+        kl_in_loss = cfg.algorithm.kl_coef if cfg.algorithm.kl_placement == "loss" else 0.0
         ref = batch.ref_logp[0] if batch.ref_logp is not None else None
-        use_tis = cfg.tis_cap is not None
+        use_tis = cfg.algorithm.tis_cap is not None
         old_logp = batch.old_logp[0] if getattr(batch, "old_logp", None) is not None else logp.detach()
         loss, metrics = policy_gradient_loss(
             logp, old_logp, batch.advantages[0], mask, normalizer=1.0,
-            clip_eps_low=cfg.clip_eps_low, clip_eps_high=cfg.clip_eps_high,
-            sampler_logp=batch.sampler_logp[0] if use_tis else None, tis_cap=cfg.tis_cap if use_tis else None,
-            logits=logits.float() / cfg.temperature, ref_logp=ref, kl_coef=kl_in_loss, kl_kind=cfg.kl_kind,
-            policy_loss=cfg.policy_loss)
+            clip_eps_low=cfg.algorithm.clip_eps_low, clip_eps_high=cfg.algorithm.clip_eps_high,
+            sampler_logp=batch.sampler_logp[0] if use_tis else None, tis_cap=cfg.algorithm.tis_cap if use_tis else None,
+            logits=logits.float() / cfg.rollout.temperature, ref_logp=ref, kl_coef=kl_in_loss, kl_kind=cfg.algorithm.kl_kind,
+            policy_loss=cfg.algorithm.policy_loss)
         keep = mask.bool()
         tokens = float(keep.sum())
         gap = (logp.detach() - batch.sampler_logp[0])[keep].abs()

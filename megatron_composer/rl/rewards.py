@@ -348,7 +348,8 @@ def score(samples: Iterable[Any], weights: Mapping[str, float],
 
 
 
-def reward_terms(rl) -> dict[str, RewardFn]:
-    """Every registered term, with "length" configured by an `RLConfig`'s length-penalty flags."""
-    config = LengthPenaltyConfig(k=rl.length_penalty_k, q=rl.length_penalty_q, weights=rl.effort_weights)
+def reward_terms(reward) -> dict[str, RewardFn]:
+    """Every registered term, with "length" configured by the length-penalty flags of `reward`
+    (`config.RewardConfig`)."""
+    config = LengthPenaltyConfig(k=reward.length_penalty_k, q=reward.length_penalty_q, weights=reward.effort_weights)
     return {**REWARD_TERMS, "length": length_term(config)}

@@ -24,8 +24,8 @@ def sample_seed(seed: int, group_id: int, index: int, group_size: int) -> int:
 def sampling_params(rl, *, seed: int, max_tokens: Optional[int] = None, stop_token_ids=(), routed_experts: bool,
                     temperature: Optional[float] = None) -> SamplingParams:
     """The `SamplingParams` of one RL sample from the rollout flags (the only place they are built)."""
-    return SamplingParams(max_tokens=rl.max_new_tokens if max_tokens is None else max_tokens,
-                          temperature=rl.temperature if temperature is None else temperature, top_p=rl.top_p,
+    return SamplingParams(max_tokens=rl.rollout.max_new_tokens if max_tokens is None else max_tokens,
+                          temperature=rl.rollout.temperature if temperature is None else temperature, top_p=rl.rollout.top_p,
                           seed=seed, stop_token_ids=tuple(stop_token_ids), logprobs=True,
                           return_routed_experts=routed_experts)
 

@@ -50,7 +50,7 @@ def train_sync(trainer: RLTrainer) -> StepReport:
     cfg, rl, st = trainer.cfg, trainer.rl, trainer.state
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     report = StepReport(cfg.checkpoint.save if rank0 else None,
-                        f"{trainer.env.describe()}: {rl.prompts_per_step} x {rl.group_size} per step")
+                        f"{trainer.env.describe()}: {rl.rollout.prompts_per_step} x {rl.rollout.group_size} per step")
     trainer.report = report
     if cfg.checkpoint.save:
         trainer.checkpoints.prepare_save_dir()
@@ -63,7 +63,7 @@ def train_sync(trainer: RLTrainer) -> StepReport:
         metrics = trainer.train_on(samples)
         metrics.update({"rollout seconds": rollout_seconds, "step seconds": time.perf_counter() - started})
         report.step(dict(metrics, iteration=st.iteration))
-        if due(st.iteration, rl.eval_interval, -1) and st.iteration < cfg.train_iters:
+        if due(st.iteration, rl.rollout.eval_interval, -1) and st.iteration < cfg.train_iters:
             _evaluate(trainer, report)
         if due(st.iteration, cfg.log_interval, cfg.train_iters):
             trainer.log.log(st.iteration, cfg.train_iters, {k: metrics[k] for k in LOG_KEYS if k in metrics},

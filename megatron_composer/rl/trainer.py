@@ -80,17 +80,17 @@ class RLTrainer:
                                  f"parallelism work)")
         self.trainer = t = Trainer(model_cfg, layout, TrainingData(train=None), cfg, log=log)
         self.rl, self.tokenizer = rl, tokenizer
-        import_reward_terms(rl.reward_module)  # in this process too (a Ray actor unpickles rl unchecked)
-        self.reward_weights = parse_reward_weights(rl.reward)
-        self.reward_terms = reward_terms(rl)
+        import_reward_terms(rl.reward.modules)  # in this process too (a Ray actor unpickles rl unchecked)
+        self.reward_weights = parse_reward_weights(rl.reward.terms)
+        self.reward_terms = reward_terms(rl.reward)
         self.policy_loss = PolicyLoss(rl)
         t.loss_plugins = [self.policy_loss] + [p for p in t.loss_plugins if p.name == "mtp loss"]
         self.replay = None
-        if rl.router_replay and model_cfg.num_moe_layers:
-            self.replay = RouterReplayController(t.model.module, rl.replay_plausibility_threshold)
+        if rl.algorithm.router_replay and model_cfg.num_moe_layers:
+            self.replay = RouterReplayController(t.model.module, rl.algorithm.replay_plausibility_threshold)
             t.pre_forward = self._replay_routes
         self.max_len = min(cfg.seq_length, model_cfg.max_position_embeddings)
-        self.engine = Engine(t.model, model_cfg, tokenizer, max_batch_size=rl.rollout_batch_size,
+        self.engine = Engine(t.model, model_cfg, tokenizer, max_batch_size=rl.rollout.rollout_batch_size,
                              max_model_len=self.max_len)
         self.backend = EngineBackend(self.engine)
         self.env = build_environment(rl, tokenizer, self.max_len)
@@ -134,22 +134,22 @@ class RLTrainer:
         if hasattr(self.env, "set_feedback_rules"):
             self.env.set_feedback_rules(self.feedback_rules)
         self.feedback_teacher = None
-        if not (self.feedback_rules and rl.feedback_coef):
+        if not (self.feedback_rules and rl.feedback.coef):
             return
         if t.cp_size > 1:
             raise ValueError(f"--feedback-rules with a coefficient needs whole teacher contexts on a rank; "
                              f"--context-parallel-size {t.cp_size} splits them; use 1, or --feedback-coef 0 "
                              "to count the mistakes only")
-        t.loss_plugins.insert(1, FeedbackLoss(rl.feedback_kl, rl.feedback_coef))
+        t.loss_plugins.insert(1, FeedbackLoss(rl.feedback.kl, rl.feedback.coef))
         build_copy = lambda: build_model(t.model_cfg, t.layout, seq_length=t.cfg.seq_length)  # noqa: E731
-        weights = TeacherWeights(t.model, rl.feedback_teacher, rl.feedback_teacher_lag, build_copy, t.device,
+        weights = TeacherWeights(t.model, rl.feedback.teacher, rl.feedback.teacher_lag, build_copy, t.device,
                                  before_forward=self.replay.clear if self.replay is not None else None)
-        self.feedback_teacher = FeedbackTeacher(weights, rl.feedback_kl_topk, rl.micro_batch_tokens)
+        self.feedback_teacher = FeedbackTeacher(weights, rl.feedback.kl_topk, rl.algorithm.micro_batch_tokens)
 
     # ---- start-up -----------------------------------------------------------------------
     def build_reference(self) -> None:
         """The frozen reference model for the KL: the weights RL started from."""
-        if not self.rl.kl_coef:
+        if not self.rl.algorithm.kl_coef:
             return
         t = self.trainer
         ref = build_model(t.model_cfg, t.layout, seq_length=t.cfg.seq_length).to(t.device)
@@ -174,7 +174,7 @@ class RLTrainer:
     # ---- rollouts of the synchronous driver ------------------------------------------
     def group_ids(self, iteration: int) -> list[int]:
         """The global group ids of step `iteration` (`rollout` module docstring)."""
-        k = self.rl.prompts_per_step
+        k = self.rl.rollout.prompts_per_step
         return list(range(iteration * k, (iteration + 1) * k))
 
     def rollouts(self, iteration: int) -> list[RolloutSample]:
@@ -194,7 +194,7 @@ class RLTrainer:
         finally:
             self.backend.stop()
             self.model.train()
-        size = self.rl.group_size
+        size = self.rl.rollout.group_size
         samples = [dataclasses.replace(s, group=j, trajectory=j * size + s.trajectory % size)
                    for j, run in zip(mine, runs) for s in run]
         return self._gather(samples)
@@ -224,14 +224,14 @@ class RLTrainer:
             else:
                 logits, _ = composer_forward(model, device_batch.tokens, device_batch.position_ids,
                                              device_batch.packed_seq_params)
-            logp = token_logprobs(logits[0], device_batch.labels[0], self.rl.temperature)
+            logp = token_logprobs(logits[0], device_batch.labels[0], self.rl.rollout.temperature)
         return logp.cpu()[None]
 
     def _pack(self, samples: list[RolloutSample], members_of: list[int]) -> list[tuple]:
         """(sample indices, this rank's CP share of the packed micro-batch) for the samples `members_of`,
         balanced across data-parallel ranks."""
         rl = self.rl
-        bins = plan_step([samples[i].length for i in members_of], self.dp_size, rl.micro_batch_tokens,
+        bins = plan_step([samples[i].length for i in members_of], self.dp_size, rl.algorithm.micro_batch_tokens,
                          self.linear_cost, self.quadratic_cost)[self.dp_rank]
         out = []
         for local in bins:
@@ -247,7 +247,7 @@ class RLTrainer:
         """Score, pack and CP-split this rank's share, KL and advantages (steps 1-2 of the module docstring);
         returns (the mini-batches, each this rank's micro-batches, and the step's metrics)."""
         rl = self.rl
-        count = rl.prompts_per_step * rl.group_size
+        count = rl.rollout.prompts_per_step * rl.rollout.group_size
         heads: dict[int, RolloutSample] = {}  # each trajectory's first sample carries its verdict
         for s in samples:
             heads.setdefault(s.trajectory, s)
@@ -256,25 +256,25 @@ class RLTrainer:
         trajectories = [heads[t] for t in range(count)]
         totals, per_term = score([_Scored(s) for s in trajectories], self.reward_weights, self.reward_terms)
         owner = torch.tensor([s.trajectory for s in samples])  # sample -> its trajectory
-        groups_per_mini = rl.prompts_per_step // rl.ppo_mini_batches
+        groups_per_mini = rl.rollout.prompts_per_step // rl.algorithm.ppo_mini_batches
         if self.feedback_teacher is not None:
             self.feedback_teacher.logits_fn.refresh(self.state.iteration)
         minis = [self._pack(samples, [i for i, s in enumerate(samples) if s.group // groups_per_mini == j])
-                 for j in range(rl.ppo_mini_batches)]
+                 for j in range(rl.algorithm.ppo_mini_batches)]
         kl_sums = torch.zeros(count, dtype=torch.float64)  # per trajectory
         if self.reference is not None:
             for members, batch in (mb for mini in minis for mb in mini):
                 batch.ref_logp = self._forward_logprobs(self.reference, batch)
-                kl = kl_estimate(batch.sampler_logp, batch.ref_logp, rl.kl_kind) * batch.loss_mask
+                kl = kl_estimate(batch.sampler_logp, batch.ref_logp, rl.algorithm.kl_kind) * batch.loss_mask
                 kl_sums.index_add_(0, owner[members][batch.segment_ids[0]], kl[0].double())
             self._all_reduce_dp_cp(kl_sums)  # each token lives on one (DP, CP) rank
         rewards = totals.double()
-        if rl.kl_coef and rl.kl_placement == "reward":
-            rewards = kl_penalized_rewards(rewards, kl_sums, rl.kl_coef)
-        advantages = group_advantages(rewards.view(rl.prompts_per_step, rl.group_size), rl.advantage).reshape(-1)
+        if rl.algorithm.kl_coef and rl.algorithm.kl_placement == "reward":
+            rewards = kl_penalized_rewards(rewards, kl_sums, rl.algorithm.kl_coef)
+        advantages = group_advantages(rewards.view(rl.rollout.prompts_per_step, rl.rollout.group_size), rl.algorithm.advantage).reshape(-1)
         for s in samples:
             s.reward, s.advantage = float(rewards[s.trajectory]), float(advantages[s.trajectory])
-        normalizer = default_normalizer(groups_per_mini * rl.group_size, rl.trajectory_tokens)
+        normalizer = default_normalizer(groups_per_mini * rl.rollout.group_size, rl.trajectory_tokens)
         placed = []
         for mini in minis:
             micro = []
@@ -339,14 +339,14 @@ class RLTrainer:
         """Greedy episodes of `--eval-tasks` held-out tasks on the colocated engine (data-parallel ranks
         split them; every rank returns the same numbers), or None where the environment has none."""
         rl = self.rl
-        if not rl.eval_tasks:
+        if not rl.rollout.eval_tasks:
             return None
         if self.eval_env is None:
-            self.eval_env = build_environment(rl, self.tokenizer, self.max_len, split="eval", count=rl.eval_tasks)
+            self.eval_env = build_environment(rl, self.tokenizer, self.max_len, split="eval", count=rl.rollout.eval_tasks)
         self.model.eval()
         self.backend.start()
         try:
-            part = self.eval_env.evaluate(self.backend, workers=rl.episode_workers,
+            part = self.eval_env.evaluate(self.backend, workers=rl.environment.episode_workers,
                                           shard=(self.dp_rank, self.dp_size))
         finally:
             self.backend.stop()

@@ -96,19 +96,19 @@ class AsyncRLRunner:
             self.inference = [ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)(ServerSync).options(
                 max_concurrency=1).remote(args.rollout_server)]
         else:
-            self.inference = [infer_cls.options(max_concurrency=4 * rl.group_size * rl.prompts_per_step + 8).remote(
+            self.inference = [infer_cls.options(max_concurrency=4 * rl.rollout.group_size * rl.rollout.prompts_per_step + 8).remote(
                 info["model_config"], info["tokenizer_model"], max_model_len=info["seq_length"],
-                max_batch_size=rl.rollout_batch_size) for _ in range(args.inference_workers)]
+                max_batch_size=rl.rollout.rollout_batch_size) for _ in range(args.inference_workers)]
         env_cls = ray.remote(**restart)(EnvWorker)
-        self.envs = [env_cls.options(max_concurrency=4 * rl.prompts_per_step + 4).remote(
+        self.envs = [env_cls.options(max_concurrency=4 * rl.rollout.prompts_per_step + 4).remote(
             spec, None if args.rollout_server else
             RayBackend(self.inference[i % len(self.inference)], timeout_s=args.group_timeout_s))
             for i in range(args.env_workers)]
         self.evaluator = None
-        if rl.eval_tasks and environment_class(rl.env).held_out:
-            self.evaluator = ray.remote(**restart)(Evaluator).remote(spec, info["model_config"], count=rl.eval_tasks)
-        inflight = args.max_inflight_groups or 2 * rl.prompts_per_step
-        self.reconciler = Reconciler(rl.prompts_per_step, max_inflight_groups=inflight,
+        if rl.rollout.eval_tasks and environment_class(rl.environment.name).held_out:
+            self.evaluator = ray.remote(**restart)(Evaluator).remote(spec, info["model_config"], count=rl.rollout.eval_tasks)
+        inflight = args.max_inflight_groups or 2 * rl.rollout.prompts_per_step
+        self.reconciler = Reconciler(rl.rollout.prompts_per_step, max_inflight_groups=inflight,
                                      max_policy_lag=args.max_policy_lag, synchronous=args.synchronous_rollouts)
         if info["buffer"] is not None:
             self.reconciler.load_state_dict(decode_state(info["buffer"]))
@@ -116,7 +116,7 @@ class AsyncRLRunner:
         self.log = run.logging.logger(0)
         self.expired: set = set()  # group refs whose worker was killed for running past the timeout
         self.job = f"{os.getpid()}-{int(time.time())}"  # tells this job's rows in the step log from a resumed one's
-        self.report = StepReport(self.save_dir, f"async {rl.env}: {rl.prompts_per_step} x {rl.group_size} per step",
+        self.report = StepReport(self.save_dir, f"async {rl.environment.name}: {rl.rollout.prompts_per_step} x {rl.rollout.group_size} per step",
                                  job=self.job)
         self.history, self.eval_history = self.report.history, self.report.eval_history
         self.log.print(f"> async RL: {world} trainer rank(s), {len(self.inference)} inference worker(s), "
@@ -211,7 +211,7 @@ class AsyncRLRunner:
                         self.sync_all()
             self._expire(pending)
             self.pushes = self._check_pushes(self.pushes)
-            if self.evaluator is not None and rl.eval_interval and self.version % rl.eval_interval == 0 and \
+            if self.evaluator is not None and rl.rollout.eval_interval and self.version % rl.rollout.eval_interval == 0 and \
                     evaluated != self.version:
                 evals.append(self.evaluator.evaluate.remote())  # queued behind this version's weights
                 evaluated = self.version
@@ -242,7 +242,7 @@ class AsyncRLRunner:
                 pass  # restarting: its counts start again from zero when it is back
         busy = sum(s["busy seconds"] for s in stats) / max(1e-9, sum(s["wall seconds"] for s in stats))
         generated = sum(s["generated tokens"] for s in stats)  # an external server's are its own metrics
-        samples = (self.history[-1]["samples"] if self.history else 0) + self.rl.prompts_per_step * self.rl.group_size
+        samples = (self.history[-1]["samples"] if self.history else 0) + self.rl.rollout.prompts_per_step * self.rl.rollout.group_size
         waited = (self.history[-1]["trainer waited"] if self.history else 0.0) + metrics["trainer wait seconds"]
         row = dict(metrics, iteration=self.version, samples=samples, wall=wall,
                    **{"samples/s": samples / wall, "generated tokens/s": generated / wall,

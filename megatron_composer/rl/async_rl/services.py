@@ -122,7 +122,7 @@ class TrainerWorker:
     def train_step(self, groups: list[Group]) -> tuple[dict, Optional[WeightUpdate]]:
         """One policy update on one step's groups; (metrics, the new weights' update on rank 0)."""
         waited = time.perf_counter() - self.idle_since
-        samples = renumber(groups, self.rl.group_size)  # the step's groups 0 .. prompts_per_step - 1
+        samples = renumber(groups, self.rl.rollout.group_size)  # the step's groups 0 .. prompts_per_step - 1
         metrics = self.trainer.train_on(samples)
         metrics["trainer wait seconds"] = waited
         metrics["trained groups"] = [g.group_id for g in groups]
@@ -261,13 +261,13 @@ class EnvWorker:
         from ..feedback import build_rules
         from ..rewards import import_reward_terms
 
-        import_reward_terms(spec.rl.reward_module)  # terms registered by user code, in this process too
+        import_reward_terms(spec.rl.reward.modules)  # terms registered by user code, in this process too
         if backend is None:
             from ..backends import HTTPBackend
 
-            backend = HTTPBackend(spec.server_url, max_concurrency=max(8, 4 * spec.rl.group_size))
+            backend = HTTPBackend(spec.server_url, max_concurrency=max(8, 4 * spec.rl.rollout.group_size))
         if isinstance(backend, RolloutBackend):
-            check_backend(backend, router_replay=spec.rl.router_replay)
+            check_backend(backend, router_replay=spec.rl.algorithm.router_replay)
         self.spec, self.backend, self.rl = spec, backend, spec.rl
         self.tokenizer = Tokenizer(spec.tokenizer_model)
         self.env = build_environment(self.rl, self.tokenizer, spec.seq_length, split=spec.split,
@@ -291,13 +291,13 @@ class Evaluator(InferenceWorker):
 
     def __init__(self, spec: RolloutSpec, model_config: dict, *, count: int, threads: int = 1):
         super().__init__(model_config, spec.tokenizer_model, max_model_len=spec.seq_length,
-                         max_batch_size=max(1, spec.rl.episode_workers), threads=threads)
+                         max_batch_size=max(1, spec.rl.environment.episode_workers), threads=threads)
         from ..backends import EngineBackend
         from ..environments import build_environment
 
         self.env = build_environment(spec.rl, self.tokenizer, spec.seq_length, split="eval", count=count)
         self.backend = EngineBackend(self.engine)
-        self.workers = spec.rl.episode_workers
+        self.workers = spec.rl.environment.episode_workers
 
     def evaluate(self) -> Optional[dict]:
         """Greedy episodes of the held-out tasks on the weights this evaluator has now."""
