@@ -41,6 +41,7 @@ from .activations import (
     activation_plan,
     layer_activations,
 )
+from .advice import advise as find_knobs
 from .comm import Collective, CommSetup, collectives, newton_schulz_flops, unit_sizes
 from .hardware import GPUSpec
 from .inventory import parameter_inventory
@@ -298,7 +299,5 @@ def make_plan(s: PlanSetup, advise: bool = True) -> Plan:
     flops, seconds = _timing(s, inventory, comms)
     plan = Plan(s, states, act, memory, per_layer, comms, flops, seconds)
     if advise and not plan.fits:
-        from .advice import advise as find_knobs
-
-        plan.advice = find_knobs(s, memory["total"])
+        plan.advice = find_knobs(s, memory["total"], lambda x: plan_memory(x)[2]["total"])
     return plan
