@@ -30,7 +30,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..config.model import ModelConfig, training_flops_per_token
+from ..config.model import ModelConfig, parameter_inventory, training_flops_per_token
 from ..config.stages import get_stage
 from ..config.training import RecomputeConfig
 from ..parallel.layout import ParallelLayout
@@ -44,7 +44,6 @@ from .activations import (
 from .advice import advise as find_knobs
 from .comm import Collective, CommSetup, collectives, newton_schulz_flops, unit_sizes
 from .hardware import GPUSpec
-from .inventory import parameter_inventory
 from .states import StateBytes, default_dense_shard_size, state_bytes
 
 GiB = 1 << 30
