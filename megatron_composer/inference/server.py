@@ -1,7 +1,9 @@
 """OpenAI-compatible HTTP server over the rollout `Engine` (FastAPI + uvicorn).
 
-    python -m megatron_composer.inference.server --load runs/tiny/cpt_32k \\
-        --tokenizer-model data/tokenizer.model --port 8000
+    python -m megatron_composer.inference.server --load runs/tiny/cpt_32k --port 8000
+
+The tokenizer is `--tokenizer-model`, else the one the checkpoint carries
+(`checkpoint.checkpoint_tokenizer`: training saves it with the checkpoint).
 
 Endpoints:
 
@@ -437,7 +439,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--load", required=True, help="checkpoint root or iter_XXXXXXX directory")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--tokenizer-model", default=None, help="SentencePiece .model (text prompts, chat, stop)")
+    parser.add_argument("--tokenizer-model", default=None,
+                        help="SentencePiece .model (text prompts, chat, stop); default: the checkpoint's own")
     parser.add_argument("--max-batch-size", type=int, default=16, help="requests decoding at once")
     parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
@@ -450,11 +453,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     import uvicorn
 
+    from ..checkpoint import checkpoint_tokenizer
     from .engine import Engine
 
     args = parse_args(argv)
     dtype = None if args.dtype is None else getattr(torch, args.dtype)
-    engine = Engine.from_checkpoint(args.load, device=args.device, dtype=dtype, tokenizer=args.tokenizer_model,
+    tokenizer = args.tokenizer_model or checkpoint_tokenizer(args.load)
+    engine = Engine.from_checkpoint(args.load, device=args.device, dtype=dtype, tokenizer=tokenizer,
                                     max_batch_size=args.max_batch_size, max_model_len=args.max_model_len)
     app = create_app(engine, model_name=args.served_model_name or args.load)
     try:

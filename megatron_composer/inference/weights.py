@@ -20,27 +20,29 @@ from typing import Callable
 
 import torch
 
+from ..checkpoint import CheckpointError, load_tensors, locate_checkpoint, tensor_specs
+
 
 def _is_delta(source: dict) -> bool:
     return bool(source) and all(isinstance(v, dict) for v in source.values())
 
 
 def _read_checkpoint(path: str, targets: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    from ..convert.dcp_io import load_tensors, tensor_specs
-    from ..convert.hf import locate_checkpoint
-
     if not os.path.exists(path):
         raise ValueError(f"no checkpoint at {path}; give a checkpoint root or an iter_XXXXXXX directory")
     try:
-        _, it_dir, _ = locate_checkpoint(path)
+        it_dir = locate_checkpoint(path).dir
         stored = tensor_specs(it_dir)
-    except Exception as exc:  # noqa: BLE001 - every unreadable checkpoint is one clear error
+    except (CheckpointError, OSError) as exc:  # every unreadable checkpoint is one clear error
         raise ValueError(f"cannot read a checkpoint at {path}: {exc}") from exc
     missing = [n for n in targets if n not in stored]
     if missing:
         raise ValueError(f"checkpoint {path} lacks {len(missing)} of the model's tensors (first: {missing[0]}); "
                          f"it was saved from a different model")
-    return load_tensors(it_dir, {n: stored[n] for n in targets})
+    try:
+        return load_tensors(it_dir, {n: stored[n] for n in targets})
+    except CheckpointError as exc:
+        raise ValueError(str(exc)) from exc
 
 
 def _resolve(name: str, targets: dict, local_to_global: dict) -> str:
