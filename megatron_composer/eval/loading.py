@@ -14,9 +14,10 @@ The window (context) is, unless given, the sequence length the checkpoint
 was trained at (its meta.json), else the model's max_position_embeddings,
 at most 4096 on CPU. The tokenizer is `--tokenizer-model` (a sentencepiece
 `.model`, or a Hugging Face `tokenizer.json` read with the `tokenizers`
-library), else the one our checkpoint carries (`checkpoint.checkpoint_tokenizer`),
-else an HF directory's own `tokenizer.json` (or sentencepiece `tokenizer.model`,
-as our export writes it), else the embedded corpus's tokenizer in the data cache.
+library), else an HF directory's own `tokenizer.json`, else the sentencepiece
+`tokenizer.model` the checkpoint carries (`checkpoint.checkpoint_tokenizer`:
+ours saves it at its root, our HF export next to the weights), else the
+embedded corpus's tokenizer in the data cache.
 """
 from __future__ import annotations
 
@@ -94,13 +95,11 @@ def resolve_tokenizer(tokenizer_model: Optional[str], data_cache_dir: str, load:
         if tokenizer_model.endswith(".json"):
             return HFTokenizer(tokenizer_model, _hf_eos(load or os.path.dirname(tokenizer_model)))
         return Tokenizer(tokenizer_model)
-    kind = checkpoint_kind(load) if load is not None else None
-    if kind == OURS and checkpoint_tokenizer(load) is not None:
-        return Tokenizer(checkpoint_tokenizer(load))
-    if kind == HUGGING_FACE and os.path.isfile(os.path.join(load, "tokenizer.json")):
+    if load is not None and os.path.isfile(os.path.join(load, "tokenizer.json")):
         return HFTokenizer(os.path.join(load, "tokenizer.json"), _hf_eos(load))
-    if kind == HUGGING_FACE and os.path.isfile(os.path.join(load, "tokenizer.model")):
-        return Tokenizer(os.path.join(load, "tokenizer.model"))  # sentencepiece (ours exported: mcore_to_hf)
+    carried = checkpoint_tokenizer(load) if load is not None else None
+    if carried is not None:
+        return Tokenizer(carried)
     return Tokenizer(default_cpt_data(data_cache_dir, progress=False).tokenizer_model)
 
 
