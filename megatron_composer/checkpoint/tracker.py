@@ -163,7 +163,10 @@ def locate_checkpoint(path: str, iteration: Optional[int] = None) -> CheckpointL
         m = re.match(r"^iter_(\d+)", os.path.basename(it_dir))
         named = int(m.group(1)) if m else None
         meta = _read_meta_file(root, named, it_dir)
-        own = int(meta.get("iteration", named or 0))
+        own = meta.get("iteration", named or 0)
+        if isinstance(own, bool) or not isinstance(own, int):
+            raise CheckpointError(f"{it_dir}/{META} names iteration {own!r:.40}, not a number; restore the file "
+                                  f"from a copy")
         if iteration is not None and iteration != own:
             raise CheckpointError(f"{it_dir} holds iteration {own}, not {iteration}; pass its root "
                                   f"{root} to choose an iteration")
@@ -193,10 +196,10 @@ def load_target_kind(path: str) -> str:
 
     "empty": an existing directory with nothing but the debris of an
     interrupted first save (`iter_*.tmp`, a tracker temp file, the tokenizer
-    it copied first). Anything
-    else that is not a complete tracked checkpoint raises CheckpointError:
-    a file, a directory of other files, an iteration dir given instead of
-    its root, a tracker naming a missing or incomplete iteration.
+    it copied first). Anything else that is not a complete tracked checkpoint
+    raises CheckpointError: a file, a directory of other files, an iteration
+    dir given instead of its root, a tracker naming a missing or incomplete
+    iteration.
     """
     if not os.path.exists(path):
         return "missing"

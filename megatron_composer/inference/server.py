@@ -34,7 +34,9 @@ cancels its requests. A malformed request gets a 4xx with OpenAI's error
 body naming the bad value; weight updates run in a worker thread and land
 between two engine steps. A weight update is checked whole before anything
 changes: its framing, then every name, shape and dtype against the model
-(before any payload is inflated), then the rebuilt values (finite).
+(before any payload is inflated), then the rebuilt values (finite). The
+server keeps the last update's weights (in the published dtype) as the base
+of the next delta, as an async RL inference worker does.
 """
 from __future__ import annotations
 
