@@ -121,8 +121,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    from megatron_composer.checkpoint import is_checkpoint_dir
+
     for flag, path in (("--self-distilled", args.self_distilled), ("--ce", args.ce)):
-        if not os.path.exists(os.path.join(path, "latest_checkpointed_iteration.txt")):
+        if not is_checkpoint_dir(path):
             raise SystemExit(f"{flag} {path}: no checkpoint there; run `make demo-cpt` and then "
                              f"`bash examples/tiny/mtp_distill.sh {'ce' if flag == '--ce' else 'self-distill'}`")
 

@@ -39,7 +39,7 @@ def _models(load):
     init_distributed()
     initialize_parallel(ParallelLayout(world_size=1), seed=1234)
     if load:
-        from megatron_composer.convert.logits import load_checkpoint_model
+        from megatron_composer.models import load_checkpoint_model
 
         model, cfg = load_checkpoint_model(load, seq_length=512)
     else:

@@ -124,7 +124,9 @@ def sh(argv: list[str], log: str) -> None:
 
 
 def done(path: str) -> bool:
-    return os.path.exists(os.path.join(path, "latest_checkpointed_iteration.txt"))
+    from megatron_composer.checkpoint import is_checkpoint_dir
+
+    return is_checkpoint_dir(path)
 
 
 def read_rates(run: str) -> list[float]:

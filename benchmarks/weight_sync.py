@@ -36,7 +36,7 @@ def measure(lr: float, steps: int, tmp: str) -> dict:
     from megatron_composer.checkpoint import model_state_dict
     from megatron_composer.data import default_cpt_data
     from megatron_composer.rl.async_rl.services import EnvWorker, InferenceWorker, RolloutSpec, TrainerWorker
-    from megatron_composer.rl.async_rl.weight_sync import WeightPublisher, WeightSubscriber, unchanged_fraction
+    from megatron_composer.inference.weight_sync import WeightPublisher, WeightSubscriber, unchanged_fraction
 
     data = default_cpt_data("data", progress=False)
     argv = ["--model-preset", "tiny", "--seq-length", "256", "--tokenizer-model", str(data.tokenizer_model),

@@ -341,6 +341,66 @@ def test_load_target_kind(tmp_path):
         ck.load_target_kind(str(tmp_path / "other" / "notes.txt"))
 
 
+def test_locate_checkpoint_from_a_root_or_an_iteration_dir(tmp_path):
+    """The one lookup: a root (the tracker's iteration or a chosen one) and an iteration dir give
+    the same location; what is not a readable checkpoint is one CheckpointError naming it."""
+    root = tmp_path / "ckpt"
+    _save(root, 2, _model(0), tag="two")
+    _save(root, 3, _model(1), tag="three")
+    latest = ck.locate_checkpoint(str(root))
+    assert (latest.root, latest.iteration, latest.dir) == (str(root), 3, str(root / "iter_0000003"))
+    assert latest.meta["tag"] == "three" and latest.meta["iteration"] == 3
+    chosen = ck.locate_checkpoint(str(root), 2)
+    assert (chosen.iteration, chosen.dir, chosen.meta["tag"]) == (2, str(root / "iter_0000002"), "two")
+    assert ck.locate_checkpoint(str(root / "iter_0000002")) == chosen
+    with pytest.raises(CheckpointError, match="holds iteration 2, not 3; pass its root"):
+        ck.locate_checkpoint(str(root / "iter_0000002"), 3)
+    with pytest.raises(CheckpointError, match="iter_0000007 does not exist; write 3"):
+        ck.locate_checkpoint(str(root), 7)
+    with pytest.raises(CheckpointError, match=f"no checkpoint in {tmp_path / 'nope'}: it does not exist"):
+        ck.locate_checkpoint(str(tmp_path / "nope"))
+    (root / "iter_0000002" / ".metadata").unlink()
+    with pytest.raises(CheckpointError, match=r"iter_0000002 is incomplete \(no \.metadata\)"):
+        ck.locate_checkpoint(str(root / "iter_0000002"))
+    with pytest.raises(CheckpointError, match="is a file, not a checkpoint directory"):
+        ck.locate_checkpoint(str(root / ck.TRACKER))
+    assert ck.read_extra_file(str(root / "iter_0000003"), "meta.json") == (root / "iter_0000003" / "meta.json").read_bytes()
+
+
+def test_a_checkpoint_carries_its_tokenizer_written_once(tmp_path):
+    """save_checkpoint(tokenizer_model=...) copies the file into ROOT before the iteration is published;
+    later saves leave an identical copy alone; checkpoint_tokenizer finds it from the root or an
+    iteration dir, and a killed first save that got as far as the tokenizer still counts as empty."""
+    tok = tmp_path / "tok.model"
+    tok.write_bytes(b"sentencepiece bytes \x00\x01")
+    root = tmp_path / "ckpt"
+    assert ck.checkpoint_tokenizer(str(root)) is None
+    ck.save_checkpoint(str(root), 1, _model(0), None, {}, tokenizer_model=str(tok))
+    carried = root / ck.TOKENIZER_MODEL
+    assert carried.read_bytes() == tok.read_bytes()
+    assert ck.checkpoint_tokenizer(str(root)) == str(carried)
+    assert ck.checkpoint_tokenizer(str(root / "iter_0000001")) == str(carried)
+    written = carried.stat().st_mtime_ns
+    ck.save_checkpoint(str(root), 2, _model(0), None, {}, tokenizer_model=str(tok))
+    assert carried.stat().st_mtime_ns == written and sorted(p.name for p in root.iterdir()) == [
+        "iter_0000001", "iter_0000002", ck.TRACKER, ck.TOKENIZER_MODEL]
+
+    with pytest.raises(CheckpointSaveError, match="cannot read the tokenizer model .*missing.model"):
+        ck.save_checkpoint(str(root), 3, _model(0), None, {}, tokenizer_model=str(tmp_path / "missing.model"))
+    assert ck.latest_iteration(str(root)) == 2 and not (root / "iter_0000003").exists()
+
+    first = tmp_path / "first"
+    first.mkdir()
+    (first / ck.TOKENIZER_MODEL).write_bytes(tok.read_bytes())
+    (first / "iter_0000001.tmp").mkdir()
+    assert ck.load_target_kind(str(first)) == "empty"
+
+    converted = tmp_path / "converted"
+    (converted / "hf_assets").mkdir(parents=True)
+    (converted / "hf_assets" / "tokenizer.model").write_bytes(b"hf")
+    assert ck.checkpoint_tokenizer(str(converted)) == str(converted / "hf_assets" / "tokenizer.model")
+
+
 # ---------------------------------------------------------------- F: non-finite weights
 def test_non_finite_weights_are_not_saved(tmp_path):
     _save(tmp_path, 1, _model(0), tag="first")

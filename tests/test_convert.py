@@ -508,6 +508,10 @@ def test_command_line_tools(small_hf, tmp_path, capsys):
                          "--max-shard-size", "100KiB", "--no-progress"]) == 0
     assert_same_tensors(read_all(small_hf), read_all(back))
     assert os.path.exists(os.path.join(back, "generation_config.json"))  # assets travel along
+    capsys.readouterr()
+    assert convert.main(["--direction", "mcore-to-hf", "--load", str(tmp_path / "nothing"), "--save",
+                         str(tmp_path / "none"), "--no-progress"]) == 1
+    assert f"error: no checkpoint in {tmp_path / 'nothing'}: it does not exist" in capsys.readouterr().err
     assert convert.parse_size("5GB") == 5 * 10**9 and convert.parse_size("2MiB") == 2 << 20
 
 

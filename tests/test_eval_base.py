@@ -345,8 +345,15 @@ def test_cpt_run_logs_base_evals_and_the_cli_evaluates_its_checkpoint(data_dir, 
         assert [step for step, _ in logged[tag]] == [2], tag
     assert 5 < logged["base-eval/codebase-nll-per-token"][0][1] < 10  # about ln 4096 after 2 steps
 
+    # the checkpoint carries the tokenizer it was trained with, and so does its export
+    from megatron_composer.data import default_cpt_data
+
+    trained_with = Path(default_cpt_data(data_dir, progress=False).tokenizer_model).read_bytes()
+    assert (tmp_path / "ckpt" / "tokenizer.model").read_bytes() == trained_with
+
     # the saved checkpoint, and the same weights exported to Hugging Face's layout, evaluate alike
     mcore_to_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
+    assert (tmp_path / "hf" / "tokenizer.model").read_bytes() == trained_with
     rows = {}
     for name in ("ckpt", "hf"):
         # --seq-length: a Hugging Face config knows no training sequence length (its default is 4096)
@@ -358,6 +365,8 @@ def test_cpt_run_logs_base_evals_and_the_cli_evaluates_its_checkpoint(data_dir, 
     report = json.loads((tmp_path / "ckpt.json").read_text())
     assert report["config"]["window"] == 128 and report["config"]["stride"] == 64
     assert rows["ckpt"]["kind"] == "megatron-composer" and rows["hf"]["kind"] == "hugging-face"
+    assert rows["ckpt"]["tokenizer"] == str(tmp_path / "ckpt" / "tokenizer.model")  # no --tokenizer-model given
+    assert rows["hf"]["tokenizer"] == str(tmp_path / "hf" / "tokenizer.model")
     assert rows["ckpt"]["results"] == rows["hf"]["results"]
     ppl = rows["ckpt"]["results"]["codebase-ppl"]
     assert ppl["windows"] == 2 and ppl["tokens"] == 127 + 64

@@ -41,17 +41,51 @@ def _inputs(seq=32, batch=2, vocab=TINY.vocab_size):
     return tokens, torch.arange(seq).expand(batch, seq)
 
 
-def test_count_matches_the_built_model():
-    model = _build(TINY)
+@pytest.mark.parametrize("cfg", [TINY, TINY.replace(first_k_dense_layers=TINY.num_layers)], ids=["moe", "dense"])
+def test_count_matches_the_built_model(cfg):
+    """Total, active and MTP counts equal the built model's parameters (+ the expert-bias
+    buffers the published counts include); with no MoE layer the MTP layer is dense too."""
+    model = _build(cfg)
     params = dict(model.named_parameters())
     main = sum(p.numel() for n, p in params.items() if not n.startswith("mtp."))
     mtp = sum(p.numel() for n, p in params.items() if n.startswith("mtp."))
+    routed = sum(p.numel() for n, p in params.items() if ".local_experts." in n and not n.startswith("mtp."))
     bias = dict(model.named_buffers())
     main += sum(b.numel() for n, b in bias.items() if n.endswith("expert_bias") and not n.startswith("mtp."))
     mtp += sum(b.numel() for n, b in bias.items() if n.endswith("expert_bias") and n.startswith("mtp."))
-    count = count_parameters(TINY)
+    count = count_parameters(cfg)
     assert main == count.total
     assert mtp == count.mtp
+    assert count.active == main - routed + routed * cfg.moe_router_topk // cfg.num_experts
+    assert (routed == 0) == (cfg.num_moe_layers == 0)
+
+
+def _hand_count(c) -> tuple[int, int, int]:
+    """DeepSeek-V3's closed form (total, active, MTP), written out per layer kind."""
+    h, heads, qk = c.hidden_size, c.num_attention_heads, c.qk_head_dim + c.qk_pos_emb_head_dim
+    q = h * c.q_lora_rank + c.q_lora_rank + c.q_lora_rank * heads * qk if c.q_lora_rank else h * heads * qk
+    kv = h * (c.kv_lora_rank + c.qk_pos_emb_head_dim) + c.kv_lora_rank + c.kv_lora_rank * heads * (
+        c.qk_head_dim + c.v_head_dim)
+    attention = q + kv + heads * c.v_head_dim * h + 2 * h
+
+    def moe(experts):
+        return (experts * 3 * h * c.moe_ffn_hidden_size + 3 * h * c.moe_shared_expert_intermediate_size
+                + c.num_experts * h + (c.num_experts if c.moe_router_enable_expert_bias else 0))
+
+    dense = c.first_k_dense_layers * (attention + 3 * h * c.ffn_hidden_size)
+    embeddings = c.vocab_size * h * (2 if c.untie_embeddings_and_output_weights else 1) + h
+    total = dense + c.num_moe_layers * (attention + moe(c.num_experts)) + embeddings
+    active = dense + c.num_moe_layers * (attention + moe(c.moe_router_topk)) + embeddings
+    mtp = c.mtp_num_layers * (2 * h + 2 * h * h + attention + moe(c.num_experts) + h)
+    return total, active, mtp
+
+
+def test_count_equals_the_closed_form_for_every_preset():
+    from megatron_composer.config import PRESETS
+
+    for name, cfg in PRESETS.items():
+        count = count_parameters(cfg)
+        assert (count.total, count.active, count.mtp) == _hand_count(cfg), name
 
 
 def test_forward_backward_world1():

@@ -213,18 +213,13 @@ def _check_collectives(measured, i, cfg, inventory, world, sharding, ep, shard, 
 
 # ---------------------------------------------------------------- exact, against hand formulas
 
-def test_inventory_matches_the_config_parameter_count():
-    """Every preset's inventory (EP = 1) holds count_parameters' total + MTP elements, less
-    the routers' expert bias, which the published counts include and megatron-core keeps as a
-    buffer; Kimi K2.5 is within 2% of the published 1.04T."""
-    from megatron_composer.config import PRESETS, count_parameters
+def test_kimi_inventory_holds_the_published_parameter_count():
+    """Kimi K2.5's inventory (EP = 1, MTP included, expert bias not: a buffer) is within 2% of
+    the published 1.04T. (The inventory is `count_parameters`' source: test_model.py checks
+    both against a built model and a hand formula.)"""
+    from megatron_composer.config import PRESETS
     from megatron_composer.planner import parameter_inventory
 
-    for name, cfg in PRESETS.items():
-        counted = count_parameters(cfg)
-        moe_layers = cfg.num_moe_layers + (cfg.mtp_num_layers if cfg.num_moe_layers else 0)
-        bias = moe_layers * cfg.num_experts if cfg.moe_router_enable_expert_bias else 0
-        assert sum(p.numel for p in parameter_inventory(cfg)) == counted.total + counted.mtp - bias, name
     kimi = parameter_inventory(PRESETS["kimi-k2.5"])
     assert sum(p.numel for p in kimi) == pytest.approx(1.04e12, rel=0.02)  # the report's 1.04T
 

@@ -52,6 +52,35 @@ def test_http_client_returns_what_the_engine_returns(engine, tmp_path):
         client.close()
 
 
+def test_http_client_pushes_published_updates_as_bytes(engine):
+    """update_weights(WeightUpdate): a full update, then a delta, arrive bit for bit (bf16, torch's own
+    cast); a delta on a version the server does not hold raises StaleBaseError; numbers are refused."""
+    from megatron_composer.checkpoint import model_state_dict
+    from megatron_composer.inference.weight_sync import StaleBaseError, WeightPublisher
+
+    original = {n: t.detach().clone() for n, t in model_state_dict(engine.model).items()}
+    published = {n: t + 0.01 for n, t in original.items()}
+    publisher = WeightPublisher(torch.bfloat16)
+    try:
+        with serve(create_app(engine, model_name="tiny")) as url, HTTPRolloutClient(url) as client:
+            assert client.update_weights(publisher.publish(published, version=11)) == 11 == engine.version
+            name = next(iter(published))
+            published[name].view(-1)[0] = 3.0
+            assert client.update_weights(publisher.publish(published, version=12), version=12) == 12
+            served = model_state_dict(engine.model)
+            assert all(torch.equal(served[n], t.to(torch.bfloat16).float()) for n, t in published.items())
+            assert served[name].view(-1)[0].item() == 3.0
+            stale = WeightPublisher(torch.bfloat16)
+            stale.publish(published, version=1)
+            with pytest.raises(StaleBaseError, match="cannot apply to version 12"):
+                client.update_weights(stale.publish(original, version=2))
+            assert engine.version == 12
+            with pytest.raises(ValueError, match="never as lists of numbers"):
+                client.update_weights({name: {"indices": [0], "values": [1.0]}})
+    finally:
+        engine.update_weights(original, version=0)
+
+
 def _mock_client(flavor, routes, **kwargs):
     """An HTTPRolloutClient whose server is `routes` {path: handler(json body) -> json reply}."""
     seen = []

@@ -211,9 +211,9 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "x"}]}, "tools[0]"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "needs logprobs"),
     ("/v1/weights", {"path": "/no/such/checkpoint"}, "no checkpoint at /no/such/checkpoint"),
-    ("/v1/weights", {}, "exactly one of"),
-    ("/v1/weights", {"delta": {"decoder.nope": {"indices": [0], "values": [1.0]}}}, "not a tensor of this model"),
-    ("/v1/weights", {"delta": {"x": {"indices": [2**70], "values": [1.0]}}}, "do not fit"),
+    ("/v1/weights", {}, "path: Field required"),
+    ("/v1/weights", {"delta": {"output_layer.weight": {"indices": [0], "values": [1.0]}}}, "path: Field required"),
+    ("/v1/weights", "[1.0, 2.0]", "not a JSON object"),
 ]
 
 
@@ -242,8 +242,24 @@ def test_models_health_and_openapi(client, base_url):
     assert {"/v1/completions", "/v1/chat/completions", "/v1/weights", "/v1/models", "/health"} <= set(spec["paths"])
 
 
-def test_weight_updates_by_path_and_delta(tokenizer, tmp_path):
+def _bf16(state: dict) -> dict:
+    """What a bf16 weight update makes of fp32 weights: torch's own round-to-nearest-even cast."""
+    return {n: t.detach().to(torch.bfloat16).float() for n, t in state.items()}
+
+
+def _post_update(url, update) -> httpx.Response:
+    from megatron_composer.inference.weight_sync import encode_update
+
+    return httpx.post(f"{url}/v1/weights", content=encode_update(update),
+                      headers={"content-type": "application/octet-stream"}, timeout=60)
+
+
+def test_weight_updates_by_path_and_as_binary_updates(tokenizer, tmp_path):
+    """A checkpoint path (JSON), then published updates as bytes: a full one, a delta on it, and a
+    delta on another version (409: the server asks for a full one); the served weights are the
+    published bf16 values bit for bit, and tokens carry each version."""
     from megatron_composer.checkpoint import model_state_dict
+    from megatron_composer.inference.weight_sync import WeightPublisher
 
     other = save_model(tmp_path / "other", build_model(seed=99))
     engine = Engine(build_model(), SERVE_CONFIG, tokenizer, max_model_len=MAX_MODEL_LEN)
@@ -252,16 +268,91 @@ def test_weight_updates_by_path_and_delta(tokenizer, tmp_path):
         with serve(create_app(engine, model_name=MODEL)) as url:
             before = httpx.post(f"{url}/v1/completions", json=body).json()["choices"][0]
             assert before["policy_versions"] == [0] * 8
-            assert httpx.post(f"{url}/v1/weights", json={"path": other, "version": 5}).json() == {"version": 5}
+            reload = httpx.post(f"{url}/v1/weights", json={"path": other, "version": 5}, timeout=60)
+            assert reload.json() == {"version": 5}
             after = httpx.post(f"{url}/v1/completions", json=body).json()["choices"][0]
             assert after["policy_versions"] == [5] * 8 and after["token_ids"] != before["token_ids"]
 
-            name = next(n for n in model_state_dict(engine.model) if n.endswith("linear_kv_up_proj.weight"))
-            delta = {name: {"indices": [0, 3, 7], "values": [0.25, -0.5, 1.0]}}
-            assert httpx.post(f"{url}/v1/weights", json={"delta": delta}).json() == {"version": 6}
-            flat = model_state_dict(engine.model)[name].reshape(-1)
-            assert flat[[0, 3, 7]].tolist() == [0.25, -0.5, 1.0]
-            assert httpx.get(f"{url}/v1/weights").json() == {"version": 6}
-            assert httpx.post(f"{url}/v1/completions", json=body).json()["choices"][0]["policy_versions"] == [6] * 8
+            published = model_state_dict(build_model(seed=7))
+            publisher = WeightPublisher(torch.bfloat16)
+            full = publisher.publish(published, version=6)
+            assert not full.is_delta and _post_update(url, full).json() == {"version": 6}
+            served = model_state_dict(engine.model)
+            assert all(torch.equal(served[n], t) for n, t in _bf16(published).items())
+
+            name = next(n for n in published if n.endswith("linear_kv_up_proj.weight"))
+            published[name].view(-1)[[0, 3, 7]] = torch.tensor([0.25, -0.5, 1.0])
+            delta = publisher.publish(published, version=7)
+            assert delta.is_delta and delta.sent_bytes < full.sent_bytes / 4
+            assert _post_update(url, delta).json() == {"version": 7}
+            assert model_state_dict(engine.model)[name].view(-1)[[0, 3, 7]].tolist() == [0.25, -0.5, 1.0]
+            assert all(torch.equal(model_state_dict(engine.model)[n], t) for n, t in _bf16(published).items())
+            assert httpx.post(f"{url}/v1/completions", json=body).json()["choices"][0]["policy_versions"] == [7] * 8
+
+            assert httpx.post(f"{url}/v1/weights", json={"path": other}, timeout=60).json() == {"version": 8}
+            r = _post_update(url, publisher.publish(published, version=9))  # a delta on 7; the server reloaded
+            assert r.status_code == 409 and "snapshot" in r.json()["error"]["message"]
+            assert httpx.get(f"{url}/v1/weights").json() == {"version": 8}
+            assert _post_update(url, publisher.snapshot()).json() == {"version": 9}
+            assert all(torch.equal(model_state_dict(engine.model)[n], t) for n, t in _bf16(published).items())
     finally:
         engine.stop()
+
+
+def _hostile_updates():
+    """(id, bytes or a function of the served state -> bytes, message) of updates the server must refuse."""
+    from megatron_composer.inference.weight_sync import WeightPublisher, encode_update
+
+    def publish(change):
+        def make(state):
+            state = change({n: t.clone() for n, t in state.items()})
+            return encode_update(WeightPublisher(None).publish(state, version=50))
+        return make
+
+    def first(state):
+        return next(iter(state))
+
+    def truncated(state):
+        data = encode_update(WeightPublisher(torch.bfloat16).publish(state, version=50))
+        return data[: len(data) // 2]
+
+    def swapped_payload(state):
+        a, b = list(state)[:2]
+        update = WeightPublisher(torch.bfloat16).publish(state, version=50)
+        update.tensors[a].data = update.tensors[b].data
+        return encode_update(update)
+
+    def other_format(state):
+        from safetensors.torch import save
+
+        return save({first(state): state[first(state)]})
+
+    return [
+        ("empty", b"", "not a weight update"),
+        ("garbage", b"\x00" * 8 + b"{not json}", "not a weight update"),
+        ("truncated", truncated, "not a weight update"),
+        ("another safetensors", other_format, "format"),
+        ("unknown name", publish(lambda s: {"decoder.nope.weight": s[first(s)]}), "not a tensor of this model"),
+        ("wrong shape", publish(lambda s: {first(s): s[first(s)][:1]}), "the model's is"),
+        ("integer weights", publish(lambda s: {first(s): s[first(s)].to(torch.int32)}), "send floating-point"),
+        ("NaN", publish(lambda s: {first(s): torch.full_like(s[first(s)], float("nan"))}), "NaN or Inf"),
+        ("a payload of another tensor", swapped_payload, "is corrupt"),
+    ]
+
+
+HOSTILE = _hostile_updates()
+
+
+@pytest.mark.parametrize("make, message", [h[1:] for h in HOSTILE], ids=[h[0] for h in HOSTILE])
+def test_hostile_weight_updates_get_a_400_and_change_nothing(base_url, engine, make, message):
+    from megatron_composer.checkpoint import model_state_dict
+
+    state = {n: t.detach().clone() for n, t in model_state_dict(engine.model).items()}
+    version = engine.version
+    data = make(state) if callable(make) else make
+    r = httpx.post(f"{base_url}/v1/weights", content=data, headers={"content-type": "application/octet-stream"},
+                   timeout=60)
+    assert r.status_code == 400, r.text
+    assert message in r.json()["error"]["message"] and r.json()["error"]["type"] == "invalid_request_error"
+    assert httpx.get(f"{base_url}/health").json() == {"status": "ok", "version": version}
+    assert all(torch.equal(t, state[n]) for n, t in model_state_dict(engine.model).items())

@@ -1,8 +1,21 @@
-"""Delta weight sync: subscribers rebuild the published weights bit for bit."""
+"""Delta weight sync: subscribers rebuild the published weights bit for bit, from the objects
+(in process, Ray) and from their bytes (HTTP); malformed bytes are a ValueError naming the fault."""
+import dataclasses
+import json
+import zlib
+
 import pytest
 import torch
 
-from megatron_composer.rl.async_rl.weight_sync import WeightPublisher, WeightSubscriber, unchanged_fraction
+from megatron_composer.inference.weight_sync import (
+    StaleBaseError,
+    TensorPayload,
+    WeightPublisher,
+    WeightSubscriber,
+    decode_update,
+    encode_update,
+    unchanged_fraction,
+)
 
 
 def _weights(seed=0):
@@ -101,3 +114,97 @@ def test_bool_and_byte_tensors_round_trip():
     w2 = {"mask": torch.tensor([False, False, True]), "codes": torch.tensor([1, 0, 9], dtype=torch.uint8)}
     got = sub.apply(pub.publish(w2, 1))
     assert torch.equal(got["mask"], w2["mask"]) and torch.equal(got["codes"], w2["codes"])
+
+
+# ---------------------------------------------------------------- bytes (the HTTP transport)
+
+def test_updates_through_their_bytes_rebuild_every_version_bit_for_bit():
+    """Full, then deltas, each through encode_update/decode_update; an empty tensor and an integer
+    tensor included; the reference is torch's own bf16 cast."""
+    w = dict(_weights(), empty=torch.zeros(0, 3))
+    pub, sub = WeightPublisher(torch.bfloat16), WeightSubscriber()
+    for version in range(3):
+        update = pub.publish(w, version)
+        decoded = decode_update(encode_update(update))
+        assert (decoded.version, decoded.base_version) == (version, None if version == 0 else version - 1)
+        got = sub.apply(decoded)
+        _same_bits(got, {n: t.to(torch.bfloat16) if t.is_floating_point() else t for n, t in w.items()})
+        w = {n: t * 1.5 if t.is_floating_point() else t + 1 for n, t in w.items()}
+
+
+def _with_metadata(update, change) -> bytes:
+    """encode_update's bytes with the metadata JSON edited by `change` (the payloads untouched)."""
+    from safetensors.torch import load, save
+
+    data = encode_update(update)
+    length = int.from_bytes(data[:8], "little")
+    metadata = json.loads(data[8:8 + length])["__metadata__"]
+    header = json.loads(metadata["update"])
+    change(header)
+    return save(load(data), metadata=dict(metadata, update=json.dumps(header)))
+
+
+def _malformed():
+    update = WeightPublisher(torch.bfloat16).publish(_weights(), 0)
+    data = encode_update(update)
+    from safetensors.torch import save
+
+    def set_(key, value):
+        return lambda h: h.__setitem__(key, value)
+
+    def spec(name, value):
+        return lambda h: h["tensors"].__setitem__(name, value)
+
+    return [
+        ("empty", b"", "not a weight update"),
+        ("not safetensors", b"GET / HTTP/1.1\r\n\r\n", "not a weight update"),
+        ("truncated in the header", data[:40], "not a weight update"),
+        ("truncated in the payloads", data[:-5], "not a weight update"),
+        ("a plain safetensors file", save({"w": torch.ones(2)}), "format"),
+        ("negative version", _with_metadata(update, set_("version", -1)), "version must be an integer >= 0"),
+        ("a tensor not listed", _with_metadata(update, lambda h: h["tensors"].pop("steps")), "lists tensors"),
+        ("unknown dtype", _with_metadata(update, spec("steps", ["complex64", [2]])), "dtype of"),
+        ("negative shape", _with_metadata(update, spec("steps", ["int64", [-2]])), "shape must be an integer"),
+        ("not json", _with_metadata(update, lambda h: h.clear()), "malformed"),
+    ]
+
+
+MALFORMED = _malformed()
+
+
+@pytest.mark.parametrize("data, message", [m[1:] for m in MALFORMED], ids=[m[0] for m in MALFORMED])
+def test_malformed_bytes_are_a_value_error_naming_the_fault(data, message):
+    with pytest.raises(ValueError, match=message):
+        decode_update(data)
+
+
+@pytest.mark.parametrize("shape, payload", [
+    ((64, 32), zlib.compress(b"\0" * 100)),        # too short for its shape
+    ((4,), zlib.compress(b"\0" * 100)),            # too long: inflating stops at the shape's size
+    ((1 << 40,), zlib.compress(b"\0" * 1000)),     # a bomb: refused before inflating
+    ((32,), zlib.compress(b"\0" * 64) + b"tail"),  # bytes after the stream
+])
+def test_a_payload_that_does_not_fit_its_shape_changes_nothing(shape, payload):
+    pub, sub = WeightPublisher(torch.bfloat16), WeightSubscriber()
+    sub.apply(pub.publish(_weights(), 0))
+    before = {n: t.clone() for n, t in sub.state.items()}
+    full = pub.snapshot()
+    bad = dataclasses.replace(full, version=1, tensors=dict(full.tensors, **{
+        "layer.bias": TensorPayload(torch.bfloat16, shape, payload)}))
+    with pytest.raises(ValueError, match="layer.bias of weights version 1 is corrupt"):
+        sub.apply(decode_update(encode_update(bad)))
+    _same_bits(sub.state, before)
+    assert sub.version == 0
+
+
+def test_rebuild_does_not_commit_and_a_stale_delta_is_a_stale_base_error():
+    pub, sub = WeightPublisher(torch.bfloat16), WeightSubscriber()
+    first = pub.publish(_weights(0), 0)
+    rebuilt = sub.rebuild(first)
+    assert sub.version is None and sub.state == {}
+    sub.commit(first, rebuilt)
+    pub.publish(_weights(1), 1)
+    with pytest.raises(StaleBaseError, match="a delta from version 1 cannot apply to version 0"):
+        sub.apply(pub.publish(_weights(2), 2))
+    sub.reset()
+    assert sub.version is None and sub.apply(pub.snapshot()) and sub.version == 2

@@ -7,7 +7,8 @@ hf-to-mcore reads sharded safetensors (per-expert or fused experts, BF16 or
 block-scaled FP8, which is dequantized) and writes our DCP checkpoint
 (`latest_checkpointed_iteration.txt` + `iter_0000000/`) that `pretrain_cpt.py
 --load` resumes from. mcore-to-hf writes `config.json`, shards and
-`model.safetensors.index.json` in the published naming.
+`model.safetensors.index.json` in the published naming, and the
+`tokenizer.model` the checkpoint carries (saved there by training).
 
 Our checkpoint stores tensors under global names (experts by global index),
 so it has no parallel layout: `--expert-model-parallel-size` is checked
@@ -26,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from megatron_composer.checkpoint import CheckpointError  # noqa: E402
 from megatron_composer.convert import ConversionError, hf_to_mcore, mcore_to_hf  # noqa: E402
 
 DTYPES = {"keep": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -71,7 +73,7 @@ def main(argv=None) -> int:
             mcore_to_hf(args.load, args.save, iteration=args.iteration, dtype=DTYPES[args.dtype],
                         max_shard_bytes=args.max_shard_size, overwrite=args.overwrite,
                         progress=not args.no_progress)
-    except ConversionError as exc:
+    except (ConversionError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -31,8 +31,9 @@ def parse_args(argv=None):
     p.add_argument("--extensions", default=".py", help="with --data: file endings to read, comma-separated")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--tokenizer-model", default=None,
-                   help="sentencepiece .model or tokenizer.json (default: an HF directory's tokenizer.json, "
-                        "else the embedded corpus's tokenizer in --data-cache-dir)")
+                   help="sentencepiece .model or tokenizer.json (default: the tokenizer.model our checkpoint "
+                        "carries, an HF directory's tokenizer.json, else the embedded corpus's tokenizer in "
+                        "--data-cache-dir)")
     p.add_argument("--data-cache-dir", default="data", help="where the embedded corpus's tokenizer is cached")
     p.add_argument("--seq-length", type=int, default=None,
                    help="the window (default: the checkpoint's training sequence length)")
@@ -64,13 +65,13 @@ def evaluate(args) -> dict:
     from megatron_composer.eval.loading import checkpoint_kind, load_eval_model, resolve_tokenizer
 
     cfg = _config(args)
-    kinds = [checkpoint_kind(path) for path in args.load]  # every path checked before any work
+    for path in args.load:  # every path checked before any work
+        checkpoint_kind(path)
     source = _source(args)
     rows, prepared, config = [], {}, None
-    for path, kind in zip(args.load, kinds):
+    for path in args.load:
         started = time.perf_counter()
-        tokenizer = resolve_tokenizer(args.tokenizer_model, args.data_cache_dir,
-                                      path if kind == "hugging-face" else None)
+        tokenizer = resolve_tokenizer(args.tokenizer_model, args.data_cache_dir, path)
         lm, info = load_eval_model(path, tokenizer, args.seq_length, args.batch_size, args.convert_dir)
         key = (str(tokenizer.model_path), lm.window)
         if key not in prepared:

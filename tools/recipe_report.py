@@ -62,7 +62,9 @@ def rl_evals(run_dir: str) -> list[tuple[int, float, float]]:
 
 def acceptance(checkpoint: str, data_dir: str, prompts: int = 3, new_tokens: int = 24) -> float | None:
     """The MTP draft's acceptance rate at temperature 1 on held-out prompts (None: no checkpoint)."""
-    if not os.path.exists(os.path.join(checkpoint, "latest_checkpointed_iteration.txt")):
+    from megatron_composer.checkpoint import is_checkpoint_dir
+
+    if not is_checkpoint_dir(checkpoint):
         return None
     from megatron_composer.data.indexed import document_prefixes
     from megatron_composer.inference import SamplingParams

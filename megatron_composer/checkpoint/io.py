@@ -5,7 +5,7 @@ Save of iteration N under ROOT (`save_checkpoint`):
  2. rank 0 makes ROOT/iter_N.tmp (clearing debris of an earlier attempt);
  3. DCP writes every rank's shards into it (each file fsynced), each rank
     its `rng_rank{r}.pt` (`rng.py`: CPU, CUDA and RNG-tracker states), rank 0
-    `meta.json`;
+    `meta.json`, and the tokenizer model into ROOT once (`tracker.copy_tokenizer`);
  4. each rank checksums the files it wrote; rank 0 writes the manifest;
  5. rank 0 publishes: fsync the dir; move an existing iter_N (a re-save) to
     iter_N.old; rename iter_N.tmp to iter_N; fsync ROOT; replace the tracker
@@ -21,6 +21,9 @@ split the files) -> DCP load into this rank's layout -> rng states (a state
 saved on another kind of device is noted in meta["rng_note"]). Every
 failure is one CheckpointError naming the path and the likely fix; DCP's
 own CheckpointException is a BaseException, so it is caught by name.
+
+`tensor_specs` / `load_tensors` read chosen model tensors of one iteration
+dir without building a model (conversion, in-flight weight updates).
 
 Start-up helpers for the trainer: `check_save_dir` (writable, enough free
 space), `remove_stale_tmp` (debris of killed saves).
@@ -38,6 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .integrity import (
     MANIFEST,
@@ -65,10 +69,12 @@ from .tracker import (
     CheckpointError,
     CheckpointSaveError,
     complete_iterations,
+    copy_tokenizer,
     fsync_dir,
     fsync_file,
     iteration_dir,
     latest_iteration,
+    locate_checkpoint,
     read_meta,
     remove_stale_local,
     restore_or_drop_old,
@@ -169,8 +175,7 @@ def _write_extra(tmp: str, files: dict[str, bytes]) -> None:
 def read_extra_file(load_dir: str, name: str, iteration: Optional[int] = None) -> Optional[bytes]:
     """The bytes of an `extra_files` entry of a checkpoint (a root: its tracked iteration, or an
     iter_XXXXXXX dir), None when absent."""
-    it_dir = load_dir if os.path.isfile(os.path.join(load_dir, META)) else tracked_iteration_dir(load_dir, iteration)[1]
-    path = os.path.join(it_dir, name)
+    path = os.path.join(locate_checkpoint(load_dir, iteration).dir, name)
     if not os.path.isfile(path):
         return None
     with open(path, "rb") as f:
@@ -225,12 +230,13 @@ def _refuse_nonfinite(model_state: dict, root: str, iteration: int) -> None:
 
 
 def save_checkpoint(root: str, iteration: int, model, optimizer, meta: dict,
-                    extra_files: Optional[dict[str, bytes]] = None) -> str:
+                    extra_files: Optional[dict[str, bytes]] = None, tokenizer_model: Optional[str] = None) -> str:
     """Write a checkpoint for `iteration` and then mark it latest (collective). Returns its dir.
 
     `extra_files` ({file name: bytes}, rank 0's): written into the iteration directory before it is
     checksummed and published, so they exist exactly when the checkpoint does (RL: the buffer of
-    completed groups).
+    completed groups). `tokenizer_model`: the tokenizer's model file, copied to ROOT/tokenizer.model
+    before the first iteration that needs it is published (`tracker.checkpoint_tokenizer` finds it).
 
     Raises CheckpointError (nothing written) when a model tensor is not
     finite, CheckpointSaveError when writing fails (the previous checkpoint
@@ -252,6 +258,8 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, meta: dict,
         _agreed(lambda: _write_rng(tmp))
         _agreed(lambda: _write_meta(tmp, meta, iteration, optimizer is not None), rank0_only=True)
         _agreed(lambda: _write_extra(tmp, extra_files or {}), rank0_only=True)
+        if tokenizer_model:
+            _agreed(lambda: copy_tokenizer(root, tokenizer_model), rank0_only=True)
         _write_checksums(tmp)
         _agreed(lambda: _publish(root, iteration, tmp), rank0_only=True)
     except CheckpointError as exc:
@@ -302,6 +310,31 @@ def _stored_keys(path: str) -> set:
     except Exception as exc:  # noqa: BLE001 - unpickling garbage raises anything
         raise CheckpointError(f"cannot read {os.path.join(path, DCP_METADATA)} ({_describe(exc)}); the checkpoint "
                               "is damaged: restore it from a copy or resume from another iteration") from None
+
+
+def tensor_specs(it_dir: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """name -> (shape, dtype) of the model tensors stored in one iteration dir (no data is read)."""
+    try:
+        metadata = dcp.FileSystemReader(it_dir).read_metadata()
+    except Exception as exc:  # noqa: BLE001 - unpickling garbage raises anything
+        raise CheckpointError(f"cannot read {os.path.join(it_dir, DCP_METADATA)} ({_describe(exc)}); the "
+                              "checkpoint is damaged: restore it from a copy") from None
+    prefix = "model."  # save_checkpoint stores {"model": {...}}
+    return {key[len(prefix):]: (tuple(md.size), md.properties.dtype)
+            for key, md in metadata.state_dict_metadata.items()
+            if key.startswith(prefix) and isinstance(md, TensorStorageMetadata)}
+
+
+def load_tensors(it_dir: str, specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor]:
+    """Read the named model tensors (only those; `tensor_specs` says what is there) of one iteration dir."""
+    state = {"model": {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in specs.items()}}
+    try:
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=it_dir)
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP raises anything
+        raise CheckpointError(f"could not read {len(specs)} tensor(s) from {it_dir}: {_dcp_reason(exc)}; the "
+                              "checkpoint is damaged or incomplete: restore it from a copy") from None
+    return state["model"]
 
 
 def _load_rng(path: str) -> Optional[str]:

@@ -6,6 +6,8 @@ Layout of a checkpoint root (Megatron's names for the tracker and iteration dirs
     ROOT/iter_0000120/                        one complete checkpoint
     ROOT/iter_0000120.tmp/                    a save in progress (debris after a crash)
     ROOT/iter_0000120.old/                    the previous copy during a re-save of 120
+    ROOT/tokenizer.model                      the tokenizer the model was trained with (copied
+                                              once, at the first save; `checkpoint_tokenizer`)
 
 An iteration dir is *complete* when it holds DCP's `.metadata` and
 `meta.json`; a save renames its `.tmp` dir into place only when both (and
@@ -14,6 +16,10 @@ half-written. The only moment the tracker's iteration has no dir under its
 final name is inside a re-save of that same iteration, between moving the
 old copy to `.old` and the new one into place; readers then use `.old`
 (`readable_iteration_dir`) and `remove_stale_tmp` puts it back.
+
+`locate_checkpoint` is the one way to find a checkpoint from a path a user
+gives (a root or one of its iteration dirs); training, conversion, eval and
+inference all go through it.
 
 Everything here is plain filesystem work on one process; `io` adds the
 rank coordination.
@@ -24,15 +30,19 @@ import json
 import os
 import re
 import shutil
-from typing import Optional
+from typing import NamedTuple, Optional
 
 TRACKER = "latest_checkpointed_iteration.txt"
 META = "meta.json"
 DCP_METADATA = ".metadata"
+TOKENIZER_MODEL = "tokenizer.model"
+HF_ASSETS = "hf_assets"  # a converted HF checkpoint's non-weight files (its tokenizer among them)
 TMP_SUFFIX = ".tmp"
 OLD_SUFFIX = ".old"
 _ITER_DIR = re.compile(r"^iter_(\d+)$")
 _STALE = re.compile(r"^iter_(\d+)\.(tmp|old)$")
+# what a killed first save may leave in ROOT besides iter_N.tmp
+_FIRST_SAVE_DEBRIS = (TRACKER + TMP_SUFFIX, TOKENIZER_MODEL, TOKENIZER_MODEL + TMP_SUFFIX)
 
 
 class CheckpointError(Exception):
@@ -109,9 +119,7 @@ def tracked_iteration_dir(root: str, iteration: Optional[int] = None) -> tuple[i
     return iteration, readable_iteration_dir(root, iteration)
 
 
-def read_meta(root: str, iteration: Optional[int] = None) -> dict:
-    """meta.json of `iteration` (default: the tracker's) under `root`."""
-    iteration, it_dir = tracked_iteration_dir(root, iteration)
+def _read_meta_file(root: str, iteration: Optional[int], it_dir: str) -> dict:
     path = os.path.join(it_dir, META)
     try:
         with open(path) as f:
@@ -125,14 +133,73 @@ def read_meta(root: str, iteration: Optional[int] = None) -> dict:
     return meta
 
 
+def read_meta(root: str, iteration: Optional[int] = None) -> dict:
+    """meta.json of `iteration` (default: the tracker's) under `root`."""
+    iteration, it_dir = tracked_iteration_dir(root, iteration)
+    return _read_meta_file(root, iteration, it_dir)
+
+
+class CheckpointLocation(NamedTuple):
+    """Where one iteration of a checkpoint is: its root, iteration, complete dir and meta.json."""
+
+    root: str
+    iteration: int
+    dir: str
+    meta: dict
+
+
+def locate_checkpoint(path: str, iteration: Optional[int] = None) -> CheckpointLocation:
+    """The checkpoint `path` names: a root (the tracker's iteration, or `iteration`) or one of
+    its iteration dirs (iter_XXXXXXX; `iteration`, if given, must be its own).
+
+    Raises CheckpointError naming the path and what would fit.
+    """
+    if os.path.isfile(os.path.join(path, META)):
+        it_dir = os.path.abspath(path)
+        root = os.path.dirname(it_dir)
+        if not os.path.isfile(os.path.join(it_dir, DCP_METADATA)):
+            raise CheckpointError(f"checkpoint {it_dir} is incomplete (no {DCP_METADATA}); "
+                                  f"{_tracker_hint(root)}")
+        m = re.match(r"^iter_(\d+)", os.path.basename(it_dir))
+        named = int(m.group(1)) if m else None
+        meta = _read_meta_file(root, named, it_dir)
+        own = meta.get("iteration", named or 0)
+        if isinstance(own, bool) or not isinstance(own, int):
+            raise CheckpointError(f"{it_dir}/{META} names iteration {own!r:.40}, not a number; restore the file "
+                                  f"from a copy")
+        if iteration is not None and iteration != own:
+            raise CheckpointError(f"{it_dir} holds iteration {own}, not {iteration}; pass its root "
+                                  f"{root} to choose an iteration")
+        return CheckpointLocation(root, own, it_dir, meta)
+    if os.path.isfile(path):
+        raise CheckpointError(f"{path} is a file, not a checkpoint directory; point at the directory "
+                              f"that holds {TRACKER}")
+    iteration, it_dir = tracked_iteration_dir(path, iteration)
+    return CheckpointLocation(path, iteration, it_dir, _read_meta_file(path, iteration, it_dir))
+
+
+def checkpoint_tokenizer(path: str) -> Optional[str]:
+    """The tokenizer model a checkpoint carries, or None: `ROOT/tokenizer.model` (copied there
+    by the first save of a training run), else the one a checkpoint converted from Hugging Face
+    brought in `ROOT/hf_assets/`. `path` is a root or one of its iteration dirs."""
+    if not path or not os.path.isdir(path):
+        return None
+    root = os.path.dirname(os.path.abspath(path)) if os.path.isfile(os.path.join(path, META)) else path
+    for candidate in (os.path.join(root, TOKENIZER_MODEL), os.path.join(root, HF_ASSETS, TOKENIZER_MODEL)):
+        if os.path.isfile(candidate):
+            return candidate
+    return None
+
+
 def load_target_kind(path: str) -> str:
     """What a `--load` / `--save` path holds: "missing", "empty" or "checkpoint".
 
     "empty": an existing directory with nothing but the debris of an
-    interrupted first save (`iter_*.tmp`, a tracker temp file). Anything
-    else that is not a complete tracked checkpoint raises CheckpointError:
-    a file, a directory of other files, an iteration dir given instead of
-    its root, a tracker naming a missing or incomplete iteration.
+    interrupted first save (`iter_*.tmp`, a tracker temp file, the tokenizer
+    it copied first). Anything else that is not a complete tracked checkpoint
+    raises CheckpointError: a file, a directory of other files, an iteration
+    dir given instead of its root, a tracker naming a missing or incomplete
+    iteration.
     """
     if not os.path.exists(path):
         return "missing"
@@ -143,7 +210,7 @@ def load_target_kind(path: str) -> str:
         tracked_iteration_dir(path)
         return "checkpoint"
     names = [n for n in os.listdir(path) if not (_STALE.match(n) and n.endswith(TMP_SUFFIX))
-             and n != TRACKER + TMP_SUFFIX]
+             and n not in _FIRST_SAVE_DEBRIS]
     if not names:
         return "empty"
     if is_complete(path):
@@ -194,6 +261,24 @@ def write_file_atomic(path: str, data: bytes) -> None:
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
+def copy_tokenizer(root: str, source: str) -> bool:
+    """Put the tokenizer model `source` at ROOT/tokenizer.model (atomic); a copy already there
+    with the same bytes is kept. Returns whether it wrote."""
+    try:
+        with open(source, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise CheckpointError(f"cannot read the tokenizer model {source} to store it with the checkpoint "
+                              f"({exc}); give an existing --tokenizer-model") from None
+    target = os.path.join(root, TOKENIZER_MODEL)
+    if os.path.isfile(target):
+        with open(target, "rb") as f:
+            if f.read() == data:
+                return False
+    write_file_atomic(target, data)
+    return True
+
+
 def write_tracker(root: str, iteration: int) -> None:
     """Point the tracker at `iteration` (atomic, durable)."""
     write_file_atomic(os.path.join(root, TRACKER), str(iteration).encode())
@@ -221,7 +306,7 @@ def restore_or_drop_old(root: str, iteration: int) -> list[str]:
 def remove_stale_local(root: str) -> list[str]:
     """Remove the debris of interrupted saves under `root` (one process).
 
-    `iter_*.tmp` dirs and the tracker's temp file are removed; an
+    `iter_*.tmp` dirs and the tracker's and tokenizer's temp files are removed; an
     `iter_N.old` copy goes back into place when the re-save that moved it
     did not finish, and is removed when it did. Returns the removed paths.
     """
@@ -236,8 +321,9 @@ def remove_stale_local(root: str) -> list[str]:
             removed.append(path)
         elif m:
             removed += restore_or_drop_old(root, int(m.group(1)))
-    tracker_tmp = os.path.join(root, TRACKER + TMP_SUFFIX)
-    if os.path.exists(tracker_tmp):
-        os.remove(tracker_tmp)
-        removed.append(tracker_tmp)
+    for name in (TRACKER + TMP_SUFFIX, TOKENIZER_MODEL + TMP_SUFFIX):
+        path = os.path.join(root, name)
+        if os.path.exists(path):
+            os.remove(path)
+            removed.append(path)
     return removed

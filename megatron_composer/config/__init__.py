@@ -1,4 +1,12 @@
-from .model import ModelConfig, ParameterCount, YarnConfig, count_parameters, model_config_from_dict
+from .model import (
+    ModelConfig,
+    ParamEntry,
+    ParameterCount,
+    YarnConfig,
+    count_parameters,
+    model_config_from_dict,
+    parameter_inventory,
+)
 from .presets import PRESETS, get_preset
 from .stages import STAGES, Stage, get_stage, stage_seq_length
 from .training import CheckpointConfig, MoEPrecisionConfig, OptimizerConfig, TrainingConfig
@@ -9,6 +17,7 @@ __all__ = [
     "MoEPrecisionConfig",
     "OptimizerConfig",
     "PRESETS",
+    "ParamEntry",
     "ParameterCount",
     "STAGES",
     "Stage",
@@ -18,5 +27,6 @@ __all__ = [
     "get_preset",
     "get_stage",
     "model_config_from_dict",
+    "parameter_inventory",
     "stage_seq_length",
 ]

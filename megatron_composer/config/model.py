@@ -2,13 +2,16 @@
 
 `ModelConfig` is the one description of an architecture: presets are values
 of it, the CLI overrides its fields, `models.build_model` turns it into a
-megatron-core `MLATransformerConfig`, and `count_parameters` sizes it without
-building anything (so the 1T presets can be planned on a laptop).
+megatron-core `MLATransformerConfig`, and `parameter_inventory` lists its
+parameter tensors without building anything (so the 1T presets can be
+planned on a laptop); `count_parameters` is their sum, the one parameter count.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from functools import lru_cache
+from math import prod
 from typing import Optional
 
 
@@ -105,6 +108,100 @@ class ModelConfig:
             raise ValueError(f"qk_pos_emb_head_dim={self.qk_pos_emb_head_dim} must be even")
 
 
+# ---------------------------------------------------------------- parameters
+# `parameter_inventory` lists every parameter tensor of one expert-parallel
+# rank's GPTModel exactly as `models.build_model` names and shapes them with
+# megatron-core 0.16.1's local spec (`decoder.layers.{i}.`, MTP's
+# `mtp.layers.{k}.transformer_layer.`, routed experts as
+# `mlp.experts.local_experts.{e}.` with e < num_experts / EP), and the FSDP2
+# unit each belongs to under dual-mesh HSDP (`parallel.fsdp`: one
+# `fully_shard` per routed-experts module, per decoder/MTP layer, and for the
+# embedding, the output layer and the final norm). Transformer Engine's spec
+# fuses some of these tensors under other names, with the same number of
+# elements in the same units. `count_parameters` sums it; the planner sizes
+# states and collectives from it. `tests/test_plan.py` checks names and shapes
+# against a built tiny model, `tests/test_model.py` the counts.
+
+@dataclass(frozen=True)
+class ParamEntry:
+    """One parameter tensor of one rank."""
+
+    name: str
+    shape: tuple[int, ...]
+    unit: str  # the module `fully_shard` is applied to under HSDP
+    expert: bool  # a routed expert's weight (EP-split; sharded over the expert-data-parallel ranks)
+
+    @property
+    def numel(self) -> int:
+        return prod(self.shape)
+
+
+def _attention(c: ModelConfig, prefix: str) -> list[tuple[str, tuple[int, ...]]]:
+    h, heads = c.hidden_size, c.num_attention_heads
+    qk = c.qk_head_dim + c.qk_pos_emb_head_dim
+    a = prefix + "self_attention."
+    out = [(prefix + "input_layernorm.weight", (h,)), (a + "linear_proj.weight", (h, heads * c.v_head_dim))]
+    if c.q_lora_rank:
+        out += [(a + "linear_q_down_proj.weight", (c.q_lora_rank, h)),
+                (a + "linear_q_up_proj.weight", (heads * qk, c.q_lora_rank))]
+    else:
+        out.append((a + "linear_q_proj.weight", (heads * qk, h)))
+    out += [(a + "linear_kv_down_proj.weight", (c.kv_lora_rank + c.qk_pos_emb_head_dim, h)),
+            (a + "linear_kv_up_proj.weight", (heads * (c.qk_head_dim + c.v_head_dim), c.kv_lora_rank))]
+    if c.q_lora_rank:
+        out.append((a + "q_layernorm.weight", (c.q_lora_rank,)))
+    out += [(a + "kv_layernorm.weight", (c.kv_lora_rank,)), (prefix + "pre_mlp_layernorm.weight", (h,))]
+    return out
+
+
+def _layer(c: ModelConfig, prefix: str, moe: bool, ep: int) -> list[ParamEntry]:
+    """A transformer layer, in the model's order: its dense tensors in unit `prefix`,
+    routed experts in unit `prefix + mlp.experts`."""
+    unit, experts_unit = prefix.rstrip("."), prefix + "mlp.experts"
+    h, m = c.hidden_size, prefix + "mlp."
+    out = [ParamEntry(n, s, unit, False) for n, s in _attention(c, prefix)]
+    if not moe:
+        return out + [ParamEntry(m + "linear_fc1.weight", (2 * c.ffn_hidden_size, h), unit, False),
+                      ParamEntry(m + "linear_fc2.weight", (h, c.ffn_hidden_size), unit, False)]
+    out.append(ParamEntry(m + "router.weight", (c.num_experts, h), unit, False))
+    f = c.moe_ffn_hidden_size
+    for e in range(c.num_experts // ep):
+        out += [ParamEntry(f"{m}experts.local_experts.{e}.linear_fc1.weight", (2 * f, h), experts_unit, True),
+                ParamEntry(f"{m}experts.local_experts.{e}.linear_fc2.weight", (h, f), experts_unit, True)]
+    s = c.moe_shared_expert_intermediate_size
+    if s:
+        out += [ParamEntry(m + "shared_experts.linear_fc1.weight", (2 * s, h), unit, False),
+                ParamEntry(m + "shared_experts.linear_fc2.weight", (h, s), unit, False)]
+    return out
+
+
+@lru_cache(maxsize=16)
+def parameter_inventory(c: ModelConfig, ep: int = 1) -> tuple[ParamEntry, ...]:
+    """The trainable parameters of one EP rank of `build_model(c)` (local spec, TP = PP = 1).
+
+    Raises ValueError if EP does not divide the experts.
+    """
+    if c.num_moe_layers and c.num_experts % ep:
+        raise ValueError(f"EP={ep} does not divide the {c.num_experts} experts")
+    h, v = c.hidden_size, c.vocab_size
+    out = [ParamEntry("embedding.word_embeddings.weight", (v, h), "embedding", False)]
+    for i in range(c.num_layers):
+        out += _layer(c, f"decoder.layers.{i}.", i >= c.first_k_dense_layers, ep)
+    out.append(ParamEntry("decoder.final_layernorm.weight", (h,), "decoder.final_layernorm", False))
+    last_is_moe = c.num_moe_layers > 0
+    for k in range(c.mtp_num_layers):
+        p = f"mtp.layers.{k}."
+        unit = p.rstrip(".")
+        out += [ParamEntry(p + "enorm.weight", (h,), unit, False), ParamEntry(p + "hnorm.weight", (h,), unit, False),
+                ParamEntry(p + "eh_proj.weight", (h, 2 * h), unit, False)]
+        layer = _layer(c, p + "transformer_layer.", last_is_moe, ep)
+        out += [e if e.expert else ParamEntry(e.name, e.shape, unit, False) for e in layer]
+        out.append(ParamEntry(p + "final_layernorm.weight", (h,), unit, False))
+    if c.untie_embeddings_and_output_weights:
+        out.append(ParamEntry("output_layer.weight", (v, h), "output_layer", False))
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class ParameterCount:
     """Parameter counts in elements. `active` is what one token touches."""
@@ -112,64 +209,53 @@ class ParameterCount:
     total: int
     active: int
     mtp: int = field(default=0)  # MTP parameters, not included in total/active
+    mtp_active: int = field(default=0)  # what one token touches in the MTP modules
 
 
-def _attention_params(c: ModelConfig) -> int:
-    h, heads = c.hidden_size, c.num_attention_heads
-    qk = c.qk_head_dim + c.qk_pos_emb_head_dim
-    if c.q_lora_rank:
-        q = h * c.q_lora_rank + c.q_lora_rank + c.q_lora_rank * heads * qk
-    else:
-        q = h * heads * qk
-    kv = h * (c.kv_lora_rank + c.qk_pos_emb_head_dim) + c.kv_lora_rank
-    kv += c.kv_lora_rank * heads * (c.qk_head_dim + c.v_head_dim)
-    out = heads * c.v_head_dim * h
-    return q + kv + out + 2 * h  # + input and pre-FFN norms
+def _expert_bias(c: ModelConfig, moe_layers: int) -> int:
+    """The routers' expert bias: counted, as the published totals do, though megatron-core
+    keeps it as a buffer rather than a parameter."""
+    return moe_layers * c.num_experts if c.moe_router_enable_expert_bias else 0
 
 
-def _moe_params(c: ModelConfig, experts: int) -> int:
-    h = c.hidden_size
-    routed = experts * 3 * h * c.moe_ffn_hidden_size
-    shared = 3 * h * c.moe_shared_expert_intermediate_size
-    router = c.num_experts * h + (c.num_experts if c.moe_router_enable_expert_bias else 0)
-    return routed + shared + router
+def _active(c: ModelConfig, entries) -> int:
+    """Elements one token touches: all but the routed experts, of which top-k of each layer's."""
+    total = sum(e.numel for e in entries)
+    routed = sum(e.numel for e in entries if e.expert)
+    if not routed:
+        return total
+    return total - routed + routed // c.num_experts * c.moe_router_topk
 
 
 def count_parameters(c: ModelConfig) -> ParameterCount:
-    """Total and active parameters of the main model, computed from the config.
+    """Total and active parameters of the main model: the sums of `parameter_inventory(c)`.
 
     Counted the way DeepSeek-V3 and Kimi K2 report them: embeddings and the
-    output head are included in both numbers, MTP modules in neither (they
-    are reported separately in `mtp`).
+    output head are included in both numbers, as is the routers' expert bias
+    (a buffer in megatron-core); MTP modules in neither (they are reported
+    separately in `mtp` and `mtp_active`).
     """
-    h = c.hidden_size
-    attention = _attention_params(c)
-    dense_layer = attention + 3 * h * c.ffn_hidden_size
-    moe_total = attention + _moe_params(c, c.num_experts)
-    moe_active = attention + _moe_params(c, c.moe_router_topk)
-    embeddings = c.vocab_size * h * (2 if c.untie_embeddings_and_output_weights else 1) + h
-    dense = c.first_k_dense_layers * dense_layer
-    total = dense + c.num_moe_layers * moe_total + embeddings
-    active = dense + c.num_moe_layers * moe_active + embeddings
-    # An MTP module: two input norms, the 2h -> h projection, one MoE layer and
-    # a final norm; it shares the embedding and output head with the model.
-    mtp_layer = 2 * h + 2 * h * h + moe_total + h
-    return ParameterCount(total=total, active=active, mtp=c.mtp_num_layers * mtp_layer)
+    inventory = parameter_inventory(c)
+    main = [e for e in inventory if not e.name.startswith("mtp.")]
+    mtp = [e for e in inventory if e.name.startswith("mtp.")]
+    bias = _expert_bias(c, c.num_moe_layers)
+    mtp_bias = _expert_bias(c, c.mtp_num_layers) if c.num_moe_layers else 0
+    return ParameterCount(total=sum(e.numel for e in main) + bias, active=_active(c, main) + bias,
+                          mtp=sum(e.numel for e in mtp) + mtp_bias, mtp_active=_active(c, mtp) + mtp_bias)
 
 
 def training_flops_per_token(c: ModelConfig, seq_length: int) -> float:
     """Model FLOPs of one training token (forward + backward = 3x forward).
 
     Matmul FLOPs are 2 per active weight that a token multiplies (the
-    embedding lookup is not a matmul); causal attention adds QK^T and AV over
-    an average context of seq_length / 2 per layer (MTP layers included).
+    embedding lookup is not a matmul; an MTP module's three own norms are left
+    out, the other norms and biases are counted as weights); causal attention
+    adds QK^T and AV over an average context of seq_length / 2 per layer (MTP
+    layers included).
     """
     params = count_parameters(c)
     matmul_weights = params.active - c.vocab_size * c.hidden_size - c.hidden_size
-    if c.mtp_num_layers:
-        # an MTP module: eh_proj + one MoE layer with top-k experts
-        moe_active = _attention_params(c) + _moe_params(c, c.moe_router_topk)
-        matmul_weights += c.mtp_num_layers * (2 * c.hidden_size**2 + moe_active)
+    matmul_weights += params.mtp_active - c.mtp_num_layers * 3 * c.hidden_size
     layers = c.num_layers + c.mtp_num_layers
     qk = c.qk_head_dim + c.qk_pos_emb_head_dim
     attention = 2 * c.num_attention_heads * (qk + c.v_head_dim) * (seq_length / 2) * layers

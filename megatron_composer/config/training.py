@@ -75,6 +75,9 @@ class CheckpointConfig:
     finetune: bool = False
     verify_checkpoint: bool = True  # --no-verify-checkpoint skips the checksums
     exit_on_save_failure: bool = True  # --continue-on-save-failure keeps training
+    # the tokenizer's model file, copied into --save so that a checkpoint carries its tokenizer
+    # (`checkpoint.checkpoint_tokenizer`); --tokenizer-model, or what the entry point resolved
+    tokenizer_model: Optional[str] = None
 
     @classmethod
     def from_args(cls, args) -> "CheckpointConfig":
@@ -264,6 +267,11 @@ class TrainingConfig:
 
     def replace(self, **changes) -> "TrainingConfig":
         return dataclasses.replace(self, **changes)
+
+    def with_tokenizer(self, tokenizer_model) -> "TrainingConfig":
+        """This config with the tokenizer model its checkpoints carry (`CheckpointConfig.tokenizer_model`)."""
+        path = None if tokenizer_model is None else str(tokenizer_model)
+        return self.replace(checkpoint=dataclasses.replace(self.checkpoint, tokenizer_model=path))
 
     @classmethod
     def from_args(cls, args) -> "TrainingConfig":

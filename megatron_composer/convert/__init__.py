@@ -8,24 +8,23 @@
 `config` maps config.json <-> ModelConfig (and says what cannot be mapped),
 `keys` maps tensor names, `fp8` dequantizes block-scaled FP8, `safetensors_io`
 and `dcp_io` stream the two formats, `hf` drives a conversion, `logits` runs
-a converted checkpoint.
+a converted checkpoint. Finding a checkpoint and reading its tensors is
+`checkpoint/`'s (`locate_checkpoint`, `load_tensors`), building a model from
+one `models/`'s (`load_checkpoint_model`).
 """
 from .config import ConversionError, hf_config_from_model, model_config_from_dict, model_config_from_hf
 from .fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
-from .hf import checkpoint_model_config, hf_to_mcore, locate_checkpoint, mcore_to_hf
+from .hf import hf_to_mcore, mcore_to_hf
 from .keys import TensorMap, mtp_shared_copies, permute_rope_rows, tensor_maps
-from .logits import checkpoint_logits, load_checkpoint_model
+from .logits import checkpoint_logits
 
 __all__ = [
     "ConversionError",
     "TensorMap",
     "checkpoint_logits",
-    "checkpoint_model_config",
     "dequantize_fp8_blocks",
     "hf_config_from_model",
     "hf_to_mcore",
-    "load_checkpoint_model",
-    "locate_checkpoint",
     "mcore_to_hf",
     "model_config_from_dict",
     "model_config_from_hf",

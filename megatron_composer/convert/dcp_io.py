@@ -1,4 +1,4 @@
-"""Write and read our DCP checkpoints without holding the whole model.
+"""Write our DCP checkpoints without holding the whole model.
 
 `checkpoint.save_checkpoint` saves a model that is already in memory. A
 converter must not need that, so:
@@ -9,11 +9,10 @@ converter must not need that, so:
   `resolve_data` hook. The stock `FileSystemWriter` keeps every tensor of a
   file alive until the file is closed, so `_BoundedFileWriter` starts a new
   `.distcp` file every `max_file_bytes`; peak memory is about one file.
-* `load_tensors` reads a chosen subset of keys (`dcp.load` reads only what
-  the given state dict asks for).
 
 The result is an ordinary DCP checkpoint: `checkpoint.load_checkpoint`
-reads it, under any expert-parallel size.
+reads it, under any expert-parallel size, and `checkpoint.load_tensors` reads
+a chosen subset of its tensors back.
 """
 from __future__ import annotations
 
@@ -24,10 +23,9 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .config import ConversionError
 
@@ -113,21 +111,3 @@ def _unwrapped_errors():
         if len(failures) == 1 and isinstance(failures[0][0], BaseException):
             raise failures[0][0] from None
         raise ConversionError(str(exc)) from None
-
-
-def tensor_specs(path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """name -> (shape, dtype) of the model tensors of a DCP checkpoint directory."""
-    metadata = FileSystemReader(path).read_metadata()
-    specs = {}
-    for key, md in metadata.state_dict_metadata.items():
-        if key.startswith(PREFIX) and isinstance(md, TensorStorageMetadata):
-            specs[key[len(PREFIX):]] = (tuple(md.size), md.properties.dtype)
-    return specs
-
-
-def load_tensors(path: str, specs: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor]:
-    """Read the named model tensors (only those) from a DCP checkpoint directory."""
-    state = {"model": {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in specs.items()}}
-    with _unwrapped_errors():
-        dcp.load(state, checkpoint_id=path)
-    return state["model"]

@@ -5,7 +5,7 @@
 
 Both stream: HF tensors are read one at a time (`HFCheckpointReader`), our
 checkpoint is written file by file (`dcp_io.save_lazily`) and read back in
-groups of one output shard (`dcp_io.load_tensors`), so memory stays around
+groups of one output shard (`checkpoint.load_tensors`), so memory stays around
 one output file / shard whatever the model size. Both write into a
 temporary sibling directory and rename it into place at the end; an
 interrupted run leaves `OUT.tmp-PID` behind, never a partial `OUT`.
@@ -36,14 +36,21 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from ..config.model import ModelConfig
-from ..checkpoint import TRACKER, iteration_dir, latest_iteration
+from ..checkpoint import (
+    TRACKER,
+    checkpoint_tokenizer,
+    iteration_dir,
+    load_tensors,
+    locate_checkpoint,
+    tensor_specs,
+)
+from ..checkpoint.tracker import HF_ASSETS, TOKENIZER_MODEL
 from ..checkpoint.integrity import write_manifest
 from . import dcp_io
 from .config import ConversionError, hf_config_from_model, model_config_from_dict, model_config_from_hf
 from .keys import TensorMap, mtp_shared_copies, permute_rope_rows, tensor_maps
 from .safetensors_io import INDEX, HFCheckpointReader, plan_shards, write_shards
 
-HF_ASSETS = "hf_assets"  # tokenizer and other non-weight files of the HF checkpoint
 _WEIGHT_FILES = (INDEX, "config.json")
 _IGNORED_HF = (".rotary_emb.inv_freq",)
 _COMPARE_ROWS = 8192
@@ -274,26 +281,6 @@ def hf_to_mcore(
     return cfg
 
 
-def locate_checkpoint(load_dir: str, iteration: Optional[int] = None) -> tuple[str, str, dict]:
-    """(checkpoint root, iteration dir, meta) for a root or an iter_XXXXXXX dir."""
-    if os.path.exists(os.path.join(load_dir, "meta.json")):
-        root, it_dir = os.path.dirname(os.path.abspath(load_dir)), load_dir
-    else:
-        iteration = latest_iteration(load_dir) if iteration is None else iteration
-        if iteration is None:
-            raise ConversionError(f"{load_dir} is not a megatron-composer checkpoint (no {TRACKER})")
-        root, it_dir = load_dir, iteration_dir(load_dir, iteration)
-    meta = _read_json(os.path.join(it_dir, "meta.json"))
-    if "model_config" not in meta:
-        raise ConversionError(f"{it_dir}/meta.json has no model_config")
-    return root, it_dir, meta
-
-
-def checkpoint_model_config(load_dir: str, iteration: Optional[int] = None) -> ModelConfig:
-    """The ModelConfig a megatron-composer checkpoint was saved with."""
-    return model_config_from_dict(locate_checkpoint(load_dir, iteration)[2]["model_config"])
-
-
 def _check_stored(it_dir: str, maps: list[TensorMap], stored: dict) -> None:
     for m in maps:
         if m.mcore is None:
@@ -336,13 +323,18 @@ def mcore_to_hf(
         dtype: cast every tensor (None: keep the stored dtypes).
         max_shard_bytes: bound on one safetensors shard; peak memory is about
             one shard plus its largest tensor.
+
+    The output also holds the imported HF checkpoint's non-weight files, if
+    any, and the tokenizer the checkpoint carries (`checkpoint.checkpoint_tokenizer`).
     """
     _single_process()
     _check_destination(save_dir, overwrite)
-    root, it_dir, meta = locate_checkpoint(load_dir, iteration)
+    root, _, it_dir, meta = locate_checkpoint(load_dir, iteration)
+    if "model_config" not in meta:
+        raise ConversionError(f"{it_dir}/meta.json has no model_config")
     cfg = model_config_from_dict(meta["model_config"])
     interleaved = bool(meta.get("conversion", {}).get("rope_interleave", True))
-    stored = dcp_io.tensor_specs(it_dir)
+    stored = tensor_specs(it_dir)
     maps = tensor_maps(cfg)
     _check_stored(it_dir, maps, stored)
     copies = dict(mtp_shared_copies(cfg))
@@ -367,7 +359,7 @@ def mcore_to_hf(
     def produce(names: list[str]):
         uses = Counter(part[n][0].mcore for n in names)
         uses.pop(None, None)
-        loaded = dcp_io.load_tensors(it_dir, {s: stored[s] for s in uses})
+        loaded = load_tensors(it_dir, {s: stored[s] for s in uses})
         for name in names:
             m, i = part[name]
             if m.mcore is None:  # e_score_correction_bias of a model without expert bias
@@ -389,6 +381,9 @@ def mcore_to_hf(
         assets = os.path.join(root, HF_ASSETS)
         if os.path.isdir(assets):
             _copy_assets(assets, tmp)
+        tokenizer = checkpoint_tokenizer(root)
+        if tokenizer is not None:  # the one training saved wins over an imported HF copy
+            shutil.copy2(tokenizer, os.path.join(tmp, TOKENIZER_MODEL))
         with tqdm(total=total, unit="B", unit_scale=True, desc="mcore->hf", disable=not progress) as bar:
             write_shards(tmp, shards, produce, on_bytes=bar.update)
         with open(os.path.join(tmp, "config.json"), "w") as f:

@@ -1,8 +1,8 @@
 """Logits of a megatron-composer checkpoint for one token sequence.
 
-The reference side of a logit-parity check: build the model the checkpoint's
-meta.json describes, load it with `checkpoint.load_checkpoint`
-(the same path training resumes through) and run `composer_forward` in fp32.
+The reference side of a logit-parity check: build and load the model with
+`models.load_checkpoint_model` (the same path training resumes through) and
+run `composer_forward` in fp32.
 """
 from __future__ import annotations
 
@@ -11,30 +11,8 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from ..models import build_model, composer_forward
-from ..parallel.layout import ParallelLayout, initialize_parallel
-from ..platform import init_distributed
-from ..checkpoint import load_checkpoint
-from .config import model_config_from_dict
-from .hf import locate_checkpoint
-
-
-def load_checkpoint_model(load_dir: str, seq_length: int, layout: Optional[ParallelLayout] = None,
-                          iteration: Optional[int] = None):
-    """(GPTModel in eval mode, ModelConfig) of a checkpoint, fp32, on this process.
-
-    Initializes torch.distributed (a single process if not launched) and
-    megatron-core's parallel state for `layout` (default: every rank a data-parallel replica).
-    """
-    root, it_dir, meta = locate_checkpoint(load_dir, iteration)
-    cfg = model_config_from_dict(meta["model_config"])
-    env = init_distributed()
-    layout = layout or ParallelLayout(world_size=env.world_size)
-    initialize_parallel(layout, seed=0)
-    model = build_model(cfg, layout, torch.float32, seq_length=seq_length)
-    load_checkpoint(root, model, iteration=int(meta.get("iteration", 0)))
-    model.eval()
-    return model, cfg
+from ..models import composer_forward, load_checkpoint_model
+from ..parallel.layout import ParallelLayout
 
 
 def checkpoint_logits(

@@ -2,7 +2,7 @@
 
 - a megatron-composer checkpoint (a root with `latest_checkpointed_iteration.txt`
   or an `iter_XXXXXXX` directory; one converted from HF is the same) is
-  loaded as training resumes it (`convert.load_checkpoint_model`);
+  loaded as training resumes it (`models.load_checkpoint_model`);
 - a Hugging Face directory (`config.json` + `*.safetensors`) is first
   converted with `convert.hf_to_mcore` into a temporary directory (under
   `convert_dir`, removed once the weights are in memory): the same code as
@@ -14,8 +14,10 @@ The window (context) is, unless given, the sequence length the checkpoint
 was trained at (its meta.json), else the model's max_position_embeddings,
 at most 4096 on CPU. The tokenizer is `--tokenizer-model` (a sentencepiece
 `.model`, or a Hugging Face `tokenizer.json` read with the `tokenizers`
-library), else an HF directory's own `tokenizer.json`, else the embedded
-corpus's tokenizer in the data cache.
+library), else an HF directory's own `tokenizer.json`, else the sentencepiece
+`tokenizer.model` the checkpoint carries (`checkpoint.checkpoint_tokenizer`:
+ours saves it at its root, our HF export next to the weights), else the
+embedded corpus's tokenizer in the data cache.
 """
 from __future__ import annotations
 
@@ -82,7 +84,8 @@ def _hf_eos(config_dir: str) -> int:
 
 
 def resolve_tokenizer(tokenizer_model: Optional[str], data_cache_dir: str, load: Optional[str] = None):
-    """The tokenizer of the module docstring's order; `load` is an HF directory or None."""
+    """The tokenizer of the module docstring's order; `load` is the checkpoint (ours or HF) or None."""
+    from ..checkpoint import checkpoint_tokenizer
     from ..data import Tokenizer, default_cpt_data
 
     if tokenizer_model:
@@ -94,6 +97,9 @@ def resolve_tokenizer(tokenizer_model: Optional[str], data_cache_dir: str, load:
         return Tokenizer(tokenizer_model)
     if load is not None and os.path.isfile(os.path.join(load, "tokenizer.json")):
         return HFTokenizer(os.path.join(load, "tokenizer.json"), _hf_eos(load))
+    carried = checkpoint_tokenizer(load) if load is not None else None
+    if carried is not None:
+        return Tokenizer(carried)
     return Tokenizer(default_cpt_data(data_cache_dir, progress=False).tokenizer_model)
 
 
@@ -104,10 +110,12 @@ def _default_window(meta: dict, max_positions: int) -> int:
 
 
 def _load_ours(path: str, window: Optional[int], tokenizer, batch_size: int) -> tuple[EvalModel, dict]:
-    from ..convert import load_checkpoint_model, locate_checkpoint, model_config_from_dict
+    from ..checkpoint import locate_checkpoint
+    from ..models.loading import checkpoint_model_config, load_checkpoint_model
 
-    _, it_dir, meta = locate_checkpoint(path)
-    cfg = model_config_from_dict(meta["model_config"])
+    where = locate_checkpoint(path)
+    meta, it_dir = where.meta, where.dir
+    cfg = checkpoint_model_config(path)
     window = window or _default_window(meta, cfg.max_position_embeddings)
     model, cfg = load_checkpoint_model(path, seq_length=window)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -27,7 +27,8 @@ R3 notes on its main branch (2026):
       choice.routed_experts [P+G,L,k]     [P,L,k] + choice.routed_experts       meta_info.routed_experts,
                                           [G,L,k]                                base64 int32 (flat)
     choice.policy_versions (per token)  GET /weight_info                       meta_info.weight_version
-    POST /v1/weights {"path": CKPT}     VLLM_SERVER_DEV_MODE=1, --weight-      POST /update_weights_from_disk
+    POST /v1/weights {"path": CKPT},    VLLM_SERVER_DEV_MODE=1, --weight-      POST /update_weights_from_disk
+      or a WeightUpdate's bytes
                                           transfer-config '{"backend":"disk"}':  {"model_path": ...,
                                           /init_weight_transfer_engine,          "weight_version": "..."}
                                           /start_weight_update, /update_weights
@@ -36,7 +37,8 @@ R3 notes on its main branch (2026):
 
 vLLM and SGLang load weights in their own (Hugging Face) format: export a
 checkpoint with `tools/convert_checkpoint.py --direction mcore-to-hf` before
-pushing its path; deltas go to our server only. Routed experts come back in our layout whatever the
+pushing its path; published `WeightUpdate`s (full or delta, binary:
+`weight_sync.encode_update`) go to our server only. Routed experts come back in our layout whatever the
 server: int32 [prompt + generated, num_moe_layers, topk], -1 where a server
 gives no row (the last generated token is never fed back through the
 model). Policy versions fall back to the version the response names, then
@@ -51,6 +53,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from .params import Completion, SamplingParams
+from .weight_sync import CONTENT_TYPE, StaleBaseError, WeightUpdate, encode_update
 
 FLAVORS = ("megatron-composer", "vllm", "sglang")
 
@@ -143,6 +146,8 @@ class HTTPRolloutClient:
         except (ValueError, KeyError, TypeError, AttributeError):
             message = response.text
         where = f"{response.request.method} {response.request.url}"
+        if response.status_code == 409:
+            raise StaleBaseError(f"{where}: {message}")
         if response.status_code < 500:
             raise ValueError(f"{where}: {message}")
         raise RuntimeError(f"{where} answered {response.status_code}: {message}")
@@ -233,21 +238,24 @@ class HTTPRolloutClient:
     # -------------------------------------------------------------- weights
     def update_weights(self, source, version: int | None = None) -> int:
         """Push weights: a checkpoint path (any flavor; vLLM and SGLang need their own format) or, for our
-        server, a delta {name: {"indices": flat ids, "values": new values}}. Returns the new version."""
-        if isinstance(source, dict) and self.flavor == "megatron-composer":
-            delta = {}
-            for name, change in source.items():
-                if not isinstance(change, dict) or set(change) != {"indices", "values"}:
-                    raise ValueError(f"weight {name!r}: send whole tensors as a checkpoint path; over HTTP only "
-                                     "deltas {name: {'indices': ..., 'values': ...}} go inline")
-                delta[name] = {key: torch.as_tensor(change[key]).reshape(-1).tolist() for key in ("indices", "values")}
-            body = {"delta": delta}
-        elif isinstance(source, str):
-            body = {"path": source}
-        else:
-            raise ValueError(f"{self.flavor} servers take a checkpoint path; got {type(source).__name__}")
+        server, a published `WeightUpdate` (its version is the new one). Returns the new version.
+
+        A delta that does not follow the server's weights raises StaleBaseError (a ValueError): push the
+        publisher's snapshot() instead."""
+        if isinstance(source, WeightUpdate) and self.flavor == "megatron-composer":
+            if version is not None and int(version) != source.version:
+                raise ValueError(f"version={version} but the update is version {source.version}; a WeightUpdate "
+                                 "carries its own version")
+            response = self._http.post("/v1/weights", content=encode_update(source),
+                                       headers={"content-type": CONTENT_TYPE})
+            self.version = self._check(response)["version"]
+            return self.version
+        if not isinstance(source, str):
+            what = "a checkpoint path or a WeightUpdate" if self.flavor == "megatron-composer" else "a checkpoint path"
+            raise ValueError(f"{self.flavor} servers take {what}; got {type(source).__name__} (weights go as "
+                             "binary WeightUpdates, never as lists of numbers)")
         if self.flavor == "megatron-composer":
-            self.version = self._post("/v1/weights", {**body, "version": version})["version"]
+            self.version = self._post("/v1/weights", {"path": source, "version": version})["version"]
             return self.version
         new = self.version + 1 if version is None else int(version)
         if self.flavor == "sglang":

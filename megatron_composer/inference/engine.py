@@ -170,7 +170,7 @@ class Engine:
         """An engine on a megatron-composer checkpoint (a root or an iter_XXXXXXX dir; one converted
         from Hugging Face is the same). `device`: default cuda when available, else cpu; `dtype`:
         default float32 on CPU, bfloat16 on CUDA. `tokenizer`: a Tokenizer or a .model path."""
-        from ..convert.logits import load_checkpoint_model
+        from ..models.loading import load_checkpoint_model
 
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)

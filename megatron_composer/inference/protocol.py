@@ -43,11 +43,13 @@ _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
 
 class RequestError(ValueError):
-    """A request the server cannot serve; `param` names the field (OpenAI's error `param`)."""
+    """A request the server cannot serve; `param` names the field (OpenAI's error `param`), `status`
+    is the HTTP status (default 400; 404 for an unknown model)."""
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, status: int | None = None):
         super().__init__(message)
         self.param = param
+        self.status = status or (404 if param == "model" else 400)
 
 
 def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error") -> dict:
@@ -124,20 +126,13 @@ class ChatCompletionRequest(_Request):
     tool_choice: str | dict[str, Any] | None = None
 
 
-class DeltaTensor(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
-
-    indices: list[int] = Field(description="flat indices into the tensor")
-    values: list[float] = Field(description="their new values")
-
-
 class WeightsRequest(BaseModel):
-    """`POST /v1/weights`: a checkpoint directory or a sparse delta; exactly one of them."""
+    """`POST /v1/weights` as JSON: reload from a checkpoint directory. (New weights themselves go
+    as binary, `weight_sync.encode_update`'s bytes, never as JSON numbers.)"""
 
     model_config = ConfigDict(strict=True, extra="ignore")
 
-    path: str | None = Field(None, description="a megatron-composer checkpoint root or iter_XXXXXXX dir")
-    delta: dict[str, DeltaTensor] | None = Field(None, description="{name: {indices, values}}")
+    path: str = Field(description="a megatron-composer checkpoint root or iter_XXXXXXX dir")
     version: int | None = Field(None, description="the new weights version (default: current + 1)")
 
 

@@ -1,7 +1,9 @@
 """OpenAI-compatible HTTP server over the rollout `Engine` (FastAPI + uvicorn).
 
-    python -m megatron_composer.inference.server --load runs/tiny/cpt_32k \\
-        --tokenizer-model data/tokenizer.model --port 8000
+    python -m megatron_composer.inference.server --load runs/tiny/cpt_32k --port 8000
+
+The tokenizer is `--tokenizer-model`, else the one the checkpoint carries
+(`checkpoint.checkpoint_tokenizer`: training saves it with the checkpoint).
 
 Endpoints:
 
@@ -10,8 +12,10 @@ Endpoints:
                                 (`data.tool_calls`); stream; tools -> tool_calls
     GET  /v1/models, /health
     GET  /v1/weights            {"version": current weights version}
-    POST /v1/weights            {"path": CHECKPOINT} or {"delta": {name: {"indices", "values"}}},
-                                optional "version"; returns {"version": new version}
+    POST /v1/weights            application/octet-stream: a published `WeightUpdate` (full or a
+                                delta on the last one, `weight_sync.encode_update`'s bytes; a
+                                delta on another version is a 409: send a snapshot), or JSON
+                                {"path": CHECKPOINT, "version": optional}; returns {"version": new}
     GET  /openapi.json, /docs
 
 Every choice also carries `token_ids` (generated ids), `prompt_token_ids`,
@@ -28,7 +32,11 @@ asyncio queue with `loop.call_soon_threadsafe`, so concurrent HTTP requests
 decode in the same engine batch. A streaming client that disconnects
 cancels its requests. A malformed request gets a 4xx with OpenAI's error
 body naming the bad value; weight updates run in a worker thread and land
-between two engine steps.
+between two engine steps. A weight update is checked whole before anything
+changes: its framing, then every name, shape and dtype against the model
+(before any payload is inflated), then the rebuilt values (finite). The
+server keeps the last update's weights (in the published dtype) as the base
+of the next delta, as an async RL inference worker does.
 """
 from __future__ import annotations
 
@@ -37,16 +45,19 @@ import asyncio
 import functools
 import json
 import logging
+import threading
 import time
 import uuid
 
 import torch
-from fastapi import FastAPI
+import pydantic
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..checkpoint.state import global_param_names, model_state_dict
 from ..data.sft import render_chat
 from ..data.tool_calls import (
     CALL_OPEN,
@@ -70,12 +81,19 @@ from .protocol import (
     tool_calls_json,
     validation_message,
 )
+from .weight_sync import CONTENT_TYPE, StaleBaseError, WeightSubscriber, decode_update
+from .weights import check_layout
 
 OWNED_BY = "megatron-composer"
 DEFAULT_MAX_CHOICES = 128
 _WATCH_SECONDS = 1.0
 _log = logging.getLogger(__name__)
 _ERROR_RESPONSES = {400: {"description": "a malformed request; OpenAI's error body names the bad value"}}
+_WEIGHTS_BODY = {"requestBody": {"required": True, "content": {
+    CONTENT_TYPE: {"schema": {"type": "string", "format": "binary",
+                              "description": "a WeightUpdate: inference.weight_sync.encode_update's bytes"}},
+    "application/json": {"schema": WeightsRequest.model_json_schema()}}}}
+_WEIGHTS_RESPONSES = {**_ERROR_RESPONSES, 409: {"description": "a delta on another weights version; send a full one"}}
 
 
 class _Choices:
@@ -162,6 +180,8 @@ class _Server:
     def __init__(self, engine, model_name: str, max_choices: int):
         self.engine, self.model_name, self.max_choices = engine, model_name, max_choices
         self.tokenizer = engine.tokenizer
+        self.subscriber = WeightSubscriber()  # the last WeightUpdate's weights: the base of the next delta
+        self._weights_lock = threading.Lock()  # one update at a time (they run in worker threads)
 
     # -------------------------------------------------------------- shared
     def _check_model(self, requested: str | None) -> None:
@@ -345,23 +365,43 @@ class _Server:
             choices.cancel()
 
     # -------------------------------------------------------------- weights
-    async def update_weights(self, req: WeightsRequest) -> dict:
-        if (req.path is None) == (req.delta is None):
-            raise RequestError('give exactly one of "path" (a checkpoint directory) and "delta" '
-                               '({name: {"indices": [...], "values": [...]}})', "path")
-        source = req.path
-        if req.delta is not None:
+    async def update_weights(self, request: Request) -> dict:
+        """POST /v1/weights: binary `WeightUpdate` bytes, or JSON {"path", "version"} (module docstring)."""
+        body = await request.body()
+        if request.headers.get("content-type", "").split(";")[0].strip() == CONTENT_TYPE:
+            version = await run_in_threadpool(self._apply_update, body)
+        else:
             try:
-                source = {name: {"indices": torch.tensor(d.indices, dtype=torch.long),
-                                 "values": torch.tensor(d.values, dtype=torch.float32)}
-                          for name, d in req.delta.items()}
-            except (RuntimeError, ValueError, OverflowError) as exc:
-                raise RequestError(f"delta indices or values do not fit a tensor ({exc})", "delta") from None
-        try:
-            version = await run_in_threadpool(self.engine.update_weights, source, req.version)
-        except ValueError as exc:
-            raise RequestError(str(exc), "delta" if req.delta is not None else "path") from None
+                req = WeightsRequest.model_validate_json(body)
+            except pydantic.ValidationError as exc:
+                raise RequestValidationError(exc.errors()) from None
+            version = await run_in_threadpool(self._reload, req.path, req.version)
         return {"version": version}
+
+    def _apply_update(self, data: bytes) -> int:
+        with self._weights_lock:
+            try:
+                update = decode_update(data)
+                model = self.engine.model
+                check_layout(model_state_dict(model), {n: (p.shape, p.dtype) for n, p in update.tensors.items()},
+                             global_param_names(model))
+                state = self.subscriber.rebuild(update)
+                version = self.engine.update_weights(state, update.version)
+            except StaleBaseError as exc:
+                raise RequestError(str(exc), "base_version", status=409) from None
+            except ValueError as exc:
+                raise RequestError(str(exc), "weights") from None
+            self.subscriber.commit(update, state)
+            return version
+
+    def _reload(self, path: str, version: int | None) -> int:
+        with self._weights_lock:
+            try:
+                version = self.engine.update_weights(path, version)
+            except ValueError as exc:
+                raise RequestError(str(exc), "path") from None
+            self.subscriber.reset()  # the next binary update must be a full one
+            return version
 
     def models(self) -> dict:
         card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": OWNED_BY,
@@ -372,8 +412,7 @@ class _Server:
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestError)
     async def request_error(_, exc: RequestError):
-        status = 404 if exc.param == "model" else 400
-        return JSONResponse(error_body(str(exc), exc.param), status_code=status)
+        return JSONResponse(error_body(str(exc), exc.param), status_code=exc.status)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_, exc: RequestValidationError):
@@ -424,9 +463,9 @@ def create_app(engine, *, model_name: str = "megatron-composer",
     async def weights_version():
         return {"version": engine.version}
 
-    @app.post("/v1/weights", responses=_ERROR_RESPONSES)
-    async def update_weights(req: WeightsRequest):
-        return await server.update_weights(req)
+    @app.post("/v1/weights", responses=_WEIGHTS_RESPONSES, openapi_extra=_WEIGHTS_BODY)
+    async def update_weights(request: Request):
+        return await server.update_weights(request)
 
     engine.start()
     return app
@@ -437,7 +476,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--load", required=True, help="checkpoint root or iter_XXXXXXX directory")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--tokenizer-model", default=None, help="SentencePiece .model (text prompts, chat, stop)")
+    parser.add_argument("--tokenizer-model", default=None,
+                        help="SentencePiece .model (text prompts, chat, stop); default: the checkpoint's own")
     parser.add_argument("--max-batch-size", type=int, default=16, help="requests decoding at once")
     parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
@@ -450,11 +490,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     import uvicorn
 
+    from ..checkpoint import checkpoint_tokenizer
     from .engine import Engine
 
     args = parse_args(argv)
     dtype = None if args.dtype is None else getattr(torch, args.dtype)
-    engine = Engine.from_checkpoint(args.load, device=args.device, dtype=dtype, tokenizer=args.tokenizer_model,
+    tokenizer = args.tokenizer_model or checkpoint_tokenizer(args.load)
+    engine = Engine.from_checkpoint(args.load, device=args.device, dtype=dtype, tokenizer=tokenizer,
                                     max_batch_size=args.max_batch_size, max_model_len=args.max_model_len)
     app = create_app(engine, model_name=args.served_model_name or args.load)
     try:

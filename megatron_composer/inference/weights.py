@@ -12,6 +12,11 @@ Sources:
                                or the model's own `state_dict()` names; any subset
     "path"                     a megatron-composer checkpoint root or iter_XXXXXXX dir
     {name: {"indices", "values"}}  a delta: flat indices into the tensor and their new values
+
+A `weight_sync.WeightUpdate` (the format RL publishes, in process, through
+Ray and over HTTP) is rebuilt into a state dict by its subscriber;
+`check_layout` checks its names, shapes and dtypes against the model before
+anything is decompressed.
 """
 from __future__ import annotations
 
@@ -20,27 +25,29 @@ from typing import Callable
 
 import torch
 
+from ..checkpoint import CheckpointError, load_tensors, locate_checkpoint, tensor_specs
+
 
 def _is_delta(source: dict) -> bool:
     return bool(source) and all(isinstance(v, dict) for v in source.values())
 
 
 def _read_checkpoint(path: str, targets: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    from ..convert.dcp_io import load_tensors, tensor_specs
-    from ..convert.hf import locate_checkpoint
-
     if not os.path.exists(path):
         raise ValueError(f"no checkpoint at {path}; give a checkpoint root or an iter_XXXXXXX directory")
     try:
-        _, it_dir, _ = locate_checkpoint(path)
+        it_dir = locate_checkpoint(path).dir
         stored = tensor_specs(it_dir)
-    except Exception as exc:  # noqa: BLE001 - every unreadable checkpoint is one clear error
+    except (CheckpointError, OSError) as exc:  # every unreadable checkpoint is one clear error
         raise ValueError(f"cannot read a checkpoint at {path}: {exc}") from exc
     missing = [n for n in targets if n not in stored]
     if missing:
         raise ValueError(f"checkpoint {path} lacks {len(missing)} of the model's tensors (first: {missing[0]}); "
                          f"it was saved from a different model")
-    return load_tensors(it_dir, {n: stored[n] for n in targets})
+    try:
+        return load_tensors(it_dir, {n: stored[n] for n in targets})
+    except CheckpointError as exc:
+        raise ValueError(str(exc)) from exc
 
 
 def _resolve(name: str, targets: dict, local_to_global: dict) -> str:
@@ -51,11 +58,29 @@ def _resolve(name: str, targets: dict, local_to_global: dict) -> str:
     raise ValueError(f"weight {name!r} is not a tensor of this model (e.g. {next(iter(targets))!r})")
 
 
+def _check_kind(name: str, dtype: torch.dtype, target: torch.Tensor) -> None:
+    if target.is_floating_point() and not dtype.is_floating_point:
+        raise ValueError(f"weight {name!r} is {dtype}; the model's is {target.dtype}: send floating-point values")
+
+
+def check_layout(targets: dict[str, torch.Tensor], layout: dict[str, tuple[tuple[int, ...], torch.dtype]],
+                 local_to_global: dict | None = None) -> None:
+    """Raise ValueError unless every {name: (shape, dtype)} of `layout` names a tensor of `targets`
+    (global or local name) with that shape and a dtype that can hold it."""
+    local_to_global = local_to_global or {}
+    for name, (shape, dtype) in layout.items():
+        target = targets[_resolve(name, targets, local_to_global)]
+        if tuple(shape) != tuple(target.shape):
+            raise ValueError(f"weight {name!r} has shape {tuple(shape)}; the model's is {tuple(target.shape)}")
+        _check_kind(name, dtype, target)
+
+
 def _check_tensor(name: str, value, target: torch.Tensor) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         value = torch.as_tensor(value)
     if tuple(value.shape) != tuple(target.shape):
         raise ValueError(f"weight {name!r} has shape {tuple(value.shape)}; the model's is {tuple(target.shape)}")
+    _check_kind(name, value.dtype, target)
     if value.is_floating_point() and not bool(torch.isfinite(value).all()):
         raise ValueError(f"weight {name!r} has NaN or Inf values; refusing the update")
     return value
@@ -65,6 +90,8 @@ def _check_delta(name: str, change, target: torch.Tensor):
     if set(change) != {"indices", "values"}:
         raise ValueError(f"delta for {name!r} has keys {sorted(change)}; give exactly 'indices' and 'values'")
     indices = torch.as_tensor(change["indices"])
+    if isinstance(change["values"], torch.Tensor):
+        _check_kind(name, change["values"].dtype, target)
     values = torch.as_tensor(change["values"], dtype=target.dtype)
     if indices.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.bool):
         raise ValueError(f"delta indices for {name!r} are {indices.dtype}; give integer flat indices")

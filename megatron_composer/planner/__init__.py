@@ -2,7 +2,8 @@
 
 `make_plan(PlanSetup(...))` (`plan.py`) combines:
 
-* `inventory.py`: every parameter one rank holds, from the `ModelConfig`;
+* `config.model.parameter_inventory`: every parameter one rank holds, from the
+  `ModelConfig` (its sum is `count_parameters`, the one parameter count);
 * `states.py`: exact bytes of parameters, main weights, gradients and
   optimizer state under DDP and dual-mesh HSDP;
 * `activations.py`: the activation-side peak of one micro-batch (estimate);
@@ -16,6 +17,7 @@ meshes, so they are written here; the exact parts reuse the optimizer's own
 rules (`optim.param_groups.muon_split`, `optim.sharded_muon.plan_buckets`)
 and are tested against a built model.
 """
+from ..config.model import ParamEntry, parameter_inventory
 from .activations import (
     ActivationPlan,
     ActivationSetup,
@@ -23,7 +25,6 @@ from .activations import (
     layer_activations,
 )
 from .hardware import GPUS, GPUSpec, get_gpu
-from .inventory import ParamEntry, parameter_inventory
 from .plan import Plan, PlanSetup, make_plan, plan_memory
 from .states import StateBytes, default_dense_shard_size, optimizer_kinds, state_bytes
 

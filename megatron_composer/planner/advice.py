@@ -1,7 +1,9 @@
 """Which knob to turn when a layout does not fit: re-plan with each one turned.
 
 Each candidate changes one flag of the setup (a valid value only: layouts
-that would not run are skipped) and is judged by the memory plan alone. The
+that would not run are skipped) and is judged by the memory plan alone,
+`planned_total(setup) -> bytes per GPU`, which `plan.make_plan` hands in (so
+this module needs nothing from `plan.py`, which calls it). The
 answer lists the candidates that fit, else the ones that save most, and a
 combination found greedily (the best single knob, then the best next one,
 up to six) when no single knob is enough.
@@ -73,14 +75,15 @@ def _candidates(s) -> list[tuple[str, Callable]]:
     ]
 
 
-def _try(s, change) -> Optional[tuple[object, int]]:
-    from .plan import plan_memory
+PlannedTotal = Callable[[object], int]  # setup -> planned bytes per GPU; ValueError if it cannot run
 
+
+def _try(s, change, planned_total: PlannedTotal) -> Optional[tuple[object, int]]:
     new = change(s)
     if new is None:
         return None
     try:
-        return new, plan_memory(new)[2]["total"]
+        return new, planned_total(new)
     except ValueError:
         return None
 
@@ -89,12 +92,13 @@ def _label(text: str, s) -> str:
     return text.format(cp=s.cp, shard=s.shard, ep=s.ep, nodes=s.nodes)
 
 
-def advise(s, total: int) -> list[str]:
-    """Lines naming the knobs that make `s` fit (or help most), given its planned `total` bytes."""
+def advise(s, total: int, planned_total: PlannedTotal) -> list[str]:
+    """Lines naming the knobs that make `s` fit (or help most), given its planned `total` bytes
+    and the memory plan that judges each changed setup."""
     capacity = s.capacity
     tried = []
     for text, change in _candidates(s):
-        got = _try(s, change)
+        got = _try(s, change, planned_total)
         if got is not None:
             new, new_total = got
             tried.append((new_total, _label(text, new), new))
@@ -106,11 +110,11 @@ def advise(s, total: int) -> list[str]:
         verdict = "fits" if new_total <= capacity else "still over"
         lines.append(f"  {label}: {new_total / GiB:.1f} GiB ({verdict}, saves {(total - new_total) / GiB:.1f} GiB)")
     if not fitting and tried:
-        lines.extend(_combination(s, capacity))
+        lines.extend(_combination(s, capacity, planned_total))
     return lines
 
 
-def _combination(s, capacity: int) -> list[str]:
+def _combination(s, capacity: int, planned_total: PlannedTotal) -> list[str]:
     """Greedy: turn the knob that saves most, then the next, up to six times (a knob turned
     twice is shown once, at its last value)."""
     chosen: dict[str, str] = {}
@@ -118,7 +122,7 @@ def _combination(s, capacity: int) -> list[str]:
     for _ in range(6):
         best = None
         for text, change in _candidates(current):
-            got = _try(current, change)
+            got = _try(current, change, planned_total)
             if got is not None and (best is None or got[1] < best[1]):
                 best = (got[0], got[1], text)
         if best is None or (total is not None and best[1] >= total):

@@ -39,11 +39,10 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..config.model import ModelConfig
+from ..config.model import ModelConfig, ParamEntry
 from ..optim.muon import NewtonSchulzConfig
 from ..optim.param_groups import HeadGeometry, muon_split
 from ..optim.sharded_muon import plan_buckets
-from .inventory import ParamEntry
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..config.model import ModelConfig, training_flops_per_token
+from ..config.model import ModelConfig, parameter_inventory, training_flops_per_token
 from ..config.stages import get_stage
 from ..config.training import RecomputeConfig
 from ..parallel.layout import ParallelLayout
@@ -41,9 +41,9 @@ from .activations import (
     activation_plan,
     layer_activations,
 )
+from .advice import advise as find_knobs
 from .comm import Collective, CommSetup, collectives, newton_schulz_flops, unit_sizes
 from .hardware import GPUSpec
-from .inventory import parameter_inventory
 from .states import StateBytes, default_dense_shard_size, state_bytes
 
 GiB = 1 << 30
@@ -298,7 +298,5 @@ def make_plan(s: PlanSetup, advise: bool = True) -> Plan:
     flops, seconds = _timing(s, inventory, comms)
     plan = Plan(s, states, act, memory, per_layer, comms, flops, seconds)
     if advise and not plan.fits:
-        from .advice import advise as find_knobs
-
-        plan.advice = find_knobs(s, memory["total"])
+        plan.advice = find_knobs(s, memory["total"], lambda x: plan_memory(x)[2]["total"])
     return plan

@@ -30,9 +30,8 @@ from dataclasses import dataclass
 from math import prod
 from typing import Optional, Sequence
 
-from ..config.model import ModelConfig
+from ..config.model import ModelConfig, ParamEntry
 from ..optim.param_groups import HeadGeometry, muon_split
-from .inventory import ParamEntry
 
 SHARDINGS = ("ddp", "hsdp")
 

@@ -6,6 +6,7 @@ group, from the same `RLRunConfig`.
 """
 from __future__ import annotations
 
+from ..checkpoint import checkpoint_tokenizer
 from ..config import count_parameters
 from ..data import default_cpt_data
 from ..data.tokenizer import Tokenizer
@@ -42,12 +43,7 @@ def tokenizer_model(run: RLRunConfig) -> str:
     if run.tokenizer_model:
         return run.tokenizer_model
     load = run.training.checkpoint.load
-    if load:
-        try:
-            from ..checkpoint import checkpoint_tokenizer
-        except ImportError:  # checkpoints without a tokenizer of their own
-            checkpoint_tokenizer = None
-        saved = checkpoint_tokenizer(load) if checkpoint_tokenizer is not None else None
-        if saved:
-            return saved
+    saved = checkpoint_tokenizer(load) if load else None
+    if saved:
+        return saved
     return default_cpt_data(run.data_cache_dir, progress=False).tokenizer_model

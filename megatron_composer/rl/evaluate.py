@@ -37,7 +37,8 @@ def evaluate(engine, tokenizer, env: AgenticCodingEnv, config: AgentConfig, *, w
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m megatron_composer.rl.evaluate", description=__doc__.split("\n")[0])
     p.add_argument("--load", required=True, help="a checkpoint directory (root or iter_XXXXXXX)")
-    p.add_argument("--tokenizer-model", default=None, help="default: the embedded corpus's tokenizer")
+    p.add_argument("--tokenizer-model", default=None,
+                   help="default: the checkpoint's own, else the embedded corpus's tokenizer")
     p.add_argument("--data-cache-dir", default="data")
     p.add_argument("--families", default="write-file")
     p.add_argument("--split", choices=("train", "eval"), default="eval")
@@ -55,12 +56,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = p.parse_args(argv)
     if args.summary_trigger_tokens and not args.token_budget:
         p.error("--summary-trigger-tokens compares the two modes at one budget: give --token-budget too")
+    from ..checkpoint import CheckpointError, checkpoint_tokenizer
+
     try:
         from ..data import default_cpt_data
         from ..data.tokenizer import Tokenizer
         from ..inference.engine import Engine
 
-        model_path = args.tokenizer_model or default_cpt_data(args.data_cache_dir, progress=False).tokenizer_model
+        model_path = (args.tokenizer_model or checkpoint_tokenizer(args.load)
+                      or default_cpt_data(args.data_cache_dir, progress=False).tokenizer_model)
         tokenizer = Tokenizer(model_path)
         engine = Engine.from_checkpoint(args.load, tokenizer=tokenizer, max_model_len=args.seq_length,
                                         max_batch_size=max(args.workers, 1))
@@ -79,7 +83,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             row = evaluate(engine, tokenizer, env, config, workers=args.workers)
             print(f"{name:>22} | " + " | ".join(f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}"
                                                 for k, v in row.items()))
-    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+    except (ValueError, FileNotFoundError, RuntimeError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -78,6 +78,7 @@ class RLTrainer:
                 raise ValueError(f"train_rl.py samples with an engine colocated on every rank, which holds whole "
                                  f"weights; {flag} {size} shards them; use {flag} 1 (data and context "
                                  f"parallelism work)")
+        cfg = cfg.with_tokenizer(getattr(tokenizer, "model_path", None))  # checkpoints carry their tokenizer
         self.trainer = t = Trainer(model_cfg, layout, TrainingData(train=None), cfg, log=log)
         self.rl, self.tokenizer = rl, tokenizer
         import_reward_terms(rl.reward.modules)  # in this process too (a Ray actor unpickles rl unchecked)
@@ -99,8 +100,6 @@ class RLTrainer:
         self.linear_cost, self.quadratic_cost = attention_costs(model_cfg)
         self.reference = None
         t.extra_meta["rl_reference"] = cfg.checkpoint.load  # the run's first --load, kept across resumes
-        if getattr(tokenizer, "model_path", None) is not None and hasattr(t.checkpoints, "tokenizer_model"):
-            t.checkpoints.tokenizer_model = str(tokenizer.model_path)
 
     # ---- the composed trainer's state, read by the drivers ----------------------------
     model = property(lambda self: self.trainer.model)

@@ -4,8 +4,10 @@
   removed (and logged); `--save` is checked for writability and free space
   against the expected checkpoint size, before any work is done;
 * `save()`: model, optimizer (fp32 main weights included) and loop state
-  under global names; a failed save keeps the previous checkpoint and stops
-  the run by default (`--continue-on-save-failure` keeps training);
+  under global names, and the tokenizer model into the root once
+  (`CheckpointConfig.tokenizer_model`, so a checkpoint carries its tokenizer);
+  a failed save keeps the previous checkpoint and stops the run by default
+  (`--continue-on-save-failure` keeps training);
 * `resume()`: `--load DIR` restores everything; `--finetune`, or a checkpoint
   of another stage (cpt-32k -> cpt-256k), restores weights only (fresh
   optimizer, iteration and data; MTP modules may be new); `--no-load-optim`
@@ -73,7 +75,8 @@ class Checkpointer:
         t = self.trainer
         try:
             path = ckpt.save_checkpoint(self.cfg.save, t.state.iteration, t.model.module, t.optimizer,
-                                        self.meta(), extra_files=t.extra_checkpoint_files())
+                                        self.meta(), extra_files=t.extra_checkpoint_files(),
+                                        tokenizer_model=self.cfg.tokenizer_model)
         except ckpt.CheckpointSaveError as exc:
             if self.cfg.exit_on_save_failure:
                 raise

@@ -30,6 +30,7 @@ def pretrain(argv: Optional[list[str]] = None) -> Trainer:
               f"seq-length {args.seq_length}, world size {env.world_size} ({env.launcher}, "
               f"{'cuda' if torch.cuda.is_available() else 'cpu'})")
     data = stage_data(args, log.print)
+    cfg = cfg.with_tokenizer(data.tokenizer.model_path)  # checkpoints carry their tokenizer
     model_cfg = resolve_model_config(ModelSource.from_args(args), data.tokenizer.vocab_size)
     train, valid = build_datasets(data, args, model_cfg.vocab_size)
     log.print(f"> data: {len(train)} training samples of {args.seq_length} tokens"

@@ -25,7 +25,7 @@ import torch
 from ..backends import BackendCapabilities, RolloutBackend, check_backend
 from ..rollout import renumber
 from .reconciler import Group
-from .weight_sync import WeightPublisher, WeightSubscriber, WeightUpdate, bit_view
+from ...inference.weight_sync import StaleBaseError, WeightPublisher, WeightSubscriber, WeightUpdate
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -311,11 +311,11 @@ class Evaluator(InferenceWorker):
 class ServerSync:
     """Weight sync to an external server of ours (`python -m megatron_composer.inference.server`).
 
-    The server takes sparse deltas over HTTP ({name: {"indices", "values"}}, POST /v1/weights). This
-    subscriber rebuilds each published version (bit-exact, as an inference worker does), sends the
-    elements that differ from what the server holds, and the first time every element, so that the
-    server then serves exactly the published bf16 weights. vLLM and SGLang load weights from a
-    checkpoint in their own format instead; they are refused here with that said.
+    The server takes the published updates themselves (binary, POST /v1/weights) and rebuilds each
+    version bit-exact, as an inference worker does, so that it serves exactly the published bf16
+    weights; a delta that does not follow its version is refused, and the runner then sends a
+    snapshot. vLLM and SGLang load weights from a checkpoint in their own format instead; they are
+    refused here with that said.
     """
 
     def __init__(self, url: str):
@@ -326,29 +326,19 @@ class ServerSync:
             raise ValueError(f"--rollout-server {url} is a {self.client.flavor} server, which loads weights "
                              f"from a checkpoint in its own format; in-flight pushes of each step's weights go "
                              f"to our server (python -m megatron_composer.inference.server --load ...)")
-        self.subscriber = WeightSubscriber()
-        self.sent: dict[str, torch.Tensor] = {}
+        self._version: Optional[int] = None
 
     def pid(self) -> int:
         return os.getpid()
 
     def version(self) -> Optional[int]:
-        return self.subscriber.version
+        return self._version
 
     def update_weights(self, update: WeightUpdate) -> bool:
-        if self.subscriber.version is not None and update.version <= self.subscriber.version:
+        if self._version is not None and update.version <= self._version:
             return True
         try:
-            state = self.subscriber.apply(update)
-        except ValueError:
+            self._version = self.client.update_weights(update)
+        except StaleBaseError:
             return False
-        delta = {}
-        for name, t in state.items():
-            flat, old = t.reshape(-1), self.sent.get(name)
-            changed = torch.arange(flat.numel()) if old is None else (bit_view(flat) != bit_view(old)).nonzero()[:, 0]
-            if changed.numel():
-                delta[name] = {"indices": changed, "values": flat[changed].float()}
-        if delta:
-            self.client.update_weights(delta, version=update.version)
-        self.sent = {n: t.reshape(-1).clone() for n, t in state.items()}
         return True
