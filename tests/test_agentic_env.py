@@ -129,7 +129,7 @@ def test_routes_of_segments_cover_every_token(write_task, tmp_path):
 def test_evaluate_reports_summaries_and_their_length(write_task, tmp_path):
     from megatron_composer.data.sft import render_chat
     from megatron_composer.rl.agent import system_prompt
-    from megatron_composer.rl.evaluate import summarize
+    from megatron_composer.rl.agentic import summarize
 
     prompt = len(render_chat([{"role": "system", "content": system_prompt()},
                               {"role": "user", "content": write_task.instruction}], TOK, add_generation_prompt=True)[0])

@@ -198,18 +198,18 @@ class AgenticEnvironment(Environment):
         return episode_samples(results, [group_id] * len(seeds), rl.rollout.group_size, self.tokenizer, self.rules,
                                rl.feedback.hint_role)
 
-    def evaluate(self, backend, *, workers, shard: tuple[int, int] = (0, 1)):
-        """Greedy episodes of tasks `rank::world` of `shard` (seed = task index): `agentic.summarize`'s
-        metrics prefixed "eval " ("eval solved", "eval correctness", "eval turns", ...)."""
+    def evaluate(self, backend, *, workers, shard: tuple[int, int] = (0, 1), temperature: float = 0.0):
+        """Episodes of tasks `rank::world` of `shard` (seed = task index; greedy unless `temperature`):
+        `agentic.summarize`'s row prefixed "eval " ("eval solved", "eval correctness", "eval turns", ...)."""
         from .agent import Agent
         from .agentic import summarize
 
-        agent = Agent(backend, self.tokenizer, self.agent_config(routed_experts=False, temperature=0.0))
+        agent = Agent(backend, self.tokenizer, self.agent_config(routed_experts=False, temperature=temperature))
         tasks = self.episodes.tasks()
         mine = list(range(shard[0], len(tasks), shard[1]))
         results = self.episodes.episodes(agent, [(tasks[i], i) for i in mine], max_workers=workers)
         row = summarize(results, self.tokenizer)
-        return {f"eval {k}": float(v) for k, v in row.items() if isinstance(v, (int, float))}
+        return {f"eval {k}": float(v) if isinstance(v, (int, float)) else v for k, v in row.items()}
 
     def describe(self):
         rl = self.rl
@@ -220,7 +220,13 @@ class AgenticEnvironment(Environment):
 def merge_evaluations(parts: list[dict]) -> dict:
     """The metrics of the whole held-out set from the shards' (each a mean over its "eval tasks")."""
     total = sum(p["eval tasks"] for p in parts)
-    keys = [k for k in parts[0] if k != "eval tasks"]
-    merged = {k: sum(p[k] * p["eval tasks"] for p in parts) / max(total, 1.0) for k in keys}
+    merged = {}
+    for k, v in parts[0].items():
+        if k == "eval tasks":
+            continue
+        if isinstance(v, float):
+            merged[k] = sum(p[k] * p["eval tasks"] for p in parts) / max(total, 1.0)
+        else:  # text (the stop reasons): each shard's
+            merged[k] = "; ".join(str(p[k]) for p in parts if p[k])
     return dict(merged, **{"eval tasks": float(total)})
 

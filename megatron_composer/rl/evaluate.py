@@ -14,24 +14,12 @@ Sampling is greedy unless `--temperature` is given.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from typing import Optional
 
-from .agent import Agent, AgentConfig
-from .agentic import AgenticCodingEnv, summarize
-
-
-def evaluate(engine, tokenizer, env: AgenticCodingEnv, config: AgentConfig, *, workers: int = 16) -> dict:
-    """Episodes of `env`'s tasks (seed = task index) with `engine`; the `summarize` row."""
-    tasks = env.tasks()
-    engine.start()
-    try:
-        results = env.episodes(Agent(engine, tokenizer, config), [(t, i) for i, t in enumerate(tasks)],
-                               max_workers=workers)
-    finally:
-        engine.stop()
-    return summarize(results, tokenizer)
+from .backends import EngineBackend
+from .config import RLConfig
+from .environments import build_environment
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -68,20 +56,26 @@ def main(argv: Optional[list[str]] = None) -> int:
         tokenizer = Tokenizer(model_path)
         engine = Engine.from_checkpoint(args.load, tokenizer=tokenizer, max_model_len=args.seq_length,
                                         max_batch_size=max(args.workers, 1))
-        families = [f.strip() for f in args.families.split(",") if f.strip()]
-        env = AgenticCodingEnv(families, split=args.split, count=args.count)
-        base = AgentConfig(max_turns=args.max_turns, max_turn_tokens=args.max_new_tokens,
-                           max_context_tokens=args.seq_length, max_total_tokens=args.token_budget,
-                           max_observation_tokens=args.max_observation_tokens, temperature=args.temperature,
-                           summary_max_tokens=args.summary_max_tokens, max_summaries=args.max_summaries)
+        base = RLConfig.from_flat(env="agentic-coding", task_families=args.families, max_turns=args.max_turns,
+                                  max_new_tokens=args.max_new_tokens, token_budget=args.token_budget,
+                                  max_observation_tokens=args.max_observation_tokens, max_summaries=args.max_summaries,
+                                  summary_max_tokens=args.summary_max_tokens, episode_workers=max(args.workers, 1))
         modes = [("no summaries", base)]
         if args.summary_trigger_tokens:
             modes.append((f"summaries at {args.summary_trigger_tokens}",
-                          dataclasses.replace(base, summary_trigger_tokens=args.summary_trigger_tokens)))
-        print(f"> {len(env.tasks())} {args.split} tasks of {', '.join(families)}, checkpoint {args.load}")
-        for name, config in modes:
-            row = evaluate(engine, tokenizer, env, config, workers=args.workers)
-            print(f"{name:>22} | " + " | ".join(f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}"
+                          base.replace(summary_trigger_tokens=args.summary_trigger_tokens)))
+        backend = EngineBackend(engine)
+        for i, (name, rl) in enumerate(modes):
+            env = build_environment(rl, tokenizer, args.seq_length, split=args.split, count=args.count)
+            if i == 0:
+                print(f"> {len(env.episodes.tasks())} {args.split} tasks of {rl.environment.task_families}, "
+                      f"checkpoint {args.load}")
+            backend.start()
+            try:
+                row = env.evaluate(backend, workers=args.workers, temperature=args.temperature)
+            finally:
+                backend.stop()
+            print(f"{name:>22} | " + " | ".join(f"{k[5:]}: {v:.3f}" if isinstance(v, float) else f"{k[5:]}: {v}"
                                                 for k, v in row.items()))
     except (ValueError, FileNotFoundError, RuntimeError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
