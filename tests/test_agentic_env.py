@@ -108,6 +108,8 @@ def test_train_rl_agentic_env_runs_and_evaluates(data_dir, tmp_path, capsys):
     assert code == 0, out
     assert "RL env agentic-coding (write-file)" in out and "eval at step 0: solved" in out
     assert "eval at step 1: solved" in out and os.path.isfile(save / "reward_curve.png")
+    # an explicit --tokenizer-model reaches the checkpoint (CheckpointConfig.tokenizer_model)
+    assert (save / "tokenizer.model").read_bytes() == (data_dir / "tokenizer.model").read_bytes()
 
 
 def test_unknown_family_is_named():
