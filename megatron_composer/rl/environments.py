@@ -77,6 +77,9 @@ class Environment:
         self.split, self.count, self.long_tail = split, count, long_tail
         self.pool: list = []
 
+    def set_feedback_rules(self, rules: Optional[dict]) -> None:
+        """The textual-feedback rules whose hints this environment's samples carry (`feedback` only)."""
+
     def seeds(self, seed: int, group_id: int) -> list[int]:
         return [sample_seed(seed, group_id, i, self.rl.rollout.group_size) for i in range(self.rl.rollout.group_size)]
 

@@ -130,8 +130,7 @@ class RLTrainer:
         """Textual feedback (`--feedback-rules`): the rules, and with a coefficient the teacher and the loss."""
         rl, t = self.rl, self.trainer
         self.feedback_rules = build_rules(rl, client=self.backend, tokenizer=self.tokenizer)
-        if hasattr(self.env, "set_feedback_rules"):
-            self.env.set_feedback_rules(self.feedback_rules)
+        self.env.set_feedback_rules(self.feedback_rules)
         self.feedback_teacher = None
         if not (self.feedback_rules and rl.feedback.coef):
             return

@@ -272,8 +272,7 @@ class EnvWorker:
         self.tokenizer = Tokenizer(spec.tokenizer_model)
         self.env = build_environment(self.rl, self.tokenizer, spec.seq_length, split=spec.split,
                                      long_tail=spec.long_tail)
-        if hasattr(self.env, "set_feedback_rules"):
-            self.env.set_feedback_rules(build_rules(self.rl, client=backend, tokenizer=self.tokenizer))
+        self.env.set_feedback_rules(build_rules(self.rl, client=backend, tokenizer=self.tokenizer))
         if len(self.env.pool) != spec.tasks:
             raise RuntimeError(f"internal: this environment worker sees {len(self.env.pool)} tasks, the trainer "
                                f"{spec.tasks}")
