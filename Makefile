@@ -42,8 +42,10 @@ demo-cpt: $(STAMP)
 	bash examples/tiny/cpt_32k.sh
 
 # The CPU suite stays on CPU (gloo) on a GPU machine too; `make test-gpu` is the device suite.
+# TEST_WORKERS pytest-xdist workers (tests/conftest.py splits the cores between them).
+TEST_WORKERS ?= 2
 test: bubblewrap $(STAMP)
-	CUDA_VISIBLE_DEVICES= $(PY) -m pytest -q --durations=25 -m "not gpu"
+	CUDA_VISIBLE_DEVICES= $(PY) -m pytest -q --durations=25 -m "not gpu" -n $(TEST_WORKERS) --dist loadgroup
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -rs -m gpu
