@@ -17,6 +17,8 @@ def _has_transformer_engine() -> bool:
 # The sandbox's fork-bomb test bounds the host's process count, which the Ray cluster test raises by
 # dozens: those two modules share a worker.
 _SAME_WORKER = {"test_sandbox": "host-processes", "test_async_rl": "host-processes"}
+# session fixtures that hold a result several modules check: their tests share a worker
+_SHARED_RESULTS = ("tiny_cpt_losses",)
 
 
 def pytest_configure(config):
@@ -31,6 +33,9 @@ def _xdist_group(item) -> str | None:
     module = item.module.__name__.rsplit(".", 1)[-1]
     if module in _SAME_WORKER:
         return _SAME_WORKER[module]
+    for name in _SHARED_RESULTS:
+        if name in item.fixturenames:
+            return name
     for defs in item._fixtureinfo.name2fixturedefs.values():
         if defs[-1].scope in ("class", "module", "package"):
             return module
@@ -76,6 +81,24 @@ def data_dir(request):
     with FileLock(str(d) + ".lock"):  # two pytest runs at once: one builds, the other reuses
         default_cpt_data(d, progress=False)
     return d
+
+
+@pytest.fixture(scope="session")
+def tiny_cpt_losses(data_dir):
+    """`tiny_cpt_losses(bf16=False, expert_precision="bf16")`: the lm losses of 30 tiny CPT steps
+    (`tests.trainers.cpt_losses`), computed once per session for each setting. The unquantized fp32
+    and bf16 runs are the references of both the bf16 and the NVFP4 checks."""
+    from tests.trainers import cpt_losses
+
+    done = {}
+
+    def losses(*, bf16=False, expert_precision="bf16"):
+        key = (bf16, expert_precision)
+        if key not in done:
+            done[key] = cpt_losses(data_dir, bf16=bf16, expert_precision=expert_precision)
+        return list(done[key])
+
+    return losses
 
 
 @pytest.fixture(autouse=True)
