@@ -7,9 +7,23 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed
 
-.PHONY: setup demo demo-cpt test test-gpu doctor bench bench-gpu clean
+.PHONY: setup bubblewrap demo demo-cpt test test-gpu doctor bench bench-gpu clean
 
-setup: $(STAMP)
+setup: bubblewrap $(STAMP)
+
+# The RL sandbox (rl/sandbox.py) runs the policy's commands under bubblewrap; the
+# demo's RL stage and the sandbox tests need it. As root a missing bwrap is
+# installed; otherwise the set-up stops here and names the command.
+bubblewrap:
+	@command -v bwrap >/dev/null 2>&1 || { \
+	    if [ "$$(id -u)" != 0 ]; then \
+	        echo "bubblewrap (bwrap) is missing; the RL sandbox needs it. Run: sudo apt-get install -y bubblewrap" >&2; exit 1; \
+	    elif ! command -v apt-get >/dev/null 2>&1; then \
+	        echo "bubblewrap (bwrap) is missing and apt-get is not here; install the bubblewrap package with this system's package manager" >&2; exit 1; \
+	    else \
+	        echo "installing bubblewrap (the RL sandbox): apt-get install -y bubblewrap"; \
+	        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null; \
+	    fi; }
 
 # The CPU build of torch is pinned when no NVIDIA driver is present; a CUDA
 # machine keeps (or installs) its own CUDA build.
@@ -21,15 +35,17 @@ $(STAMP): setup.py
 	touch $(STAMP)
 
 # about 10 minutes on 2 CPU cores; the report is runs/demo/report.md
-demo: $(STAMP)
+demo: bubblewrap $(STAMP)
 	bash examples/tiny/recipe.sh
 
 demo-cpt: $(STAMP)
 	bash examples/tiny/cpt_32k.sh
 
 # The CPU suite stays on CPU (gloo) on a GPU machine too; `make test-gpu` is the device suite.
-test: $(STAMP)
-	CUDA_VISIBLE_DEVICES= $(PY) -m pytest -q --durations=25 -m "not gpu"
+# TEST_WORKERS pytest-xdist workers (tests/conftest.py splits the cores between them).
+TEST_WORKERS ?= 2
+test: bubblewrap $(STAMP)
+	CUDA_VISIBLE_DEVICES= $(PY) -m pytest -q --durations=25 -m "not gpu" -n $(TEST_WORKERS) --dist loadgroup
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -rs -m gpu

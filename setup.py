@@ -49,7 +49,8 @@ setup(
     extras_require={
         # triton: the quantization kernels' tests run through its CPU interpreter; CUDA builds of
         # torch already ship a triton, which this leaves as it is.
-        "test": ["pytest", "transformers", "triton>=3.0; platform_system == 'Linux'",
+        # pytest-xdist: `make test` runs the suite on two workers
+        "test": ["pytest", "pytest-xdist", "transformers", "triton>=3.0; platform_system == 'Linux'",
                  "openai", "schemathesis", "hypothesis", "httpx", "ray"],
         # What megatron-core 0.16.1 supports. Never the PyPI package named
         # `apex`: it is an unrelated project.

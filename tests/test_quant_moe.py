@@ -155,24 +155,13 @@ def test_precision_errors_name_the_size():
 
 
 # ------------------------------------------------------------------ NVFP4 CPT
-def _cpt_losses(data_dir, precision, steps=30, bf16=False):
-    from megatron_composer.config import MoEPrecisionConfig
-    from megatron_composer.data import CPTDataset
-    from tests.trainers import make_trainer
-
-    trainer = make_trainer(CPTDataset(str(data_dir / "stdlib_train"), 64, seed=5), lr_warmup_iters=3,
-                           lr_decay_iters=steps, bf16=bf16,
-                           moe_precision=MoEPrecisionConfig(moe_expert_precision=precision))
-    return [trainer.step().lm_loss for _ in range(steps)]
-
-
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32-model", "bf16-model"])
-def test_nvfp4_experts_follow_the_unquantized_loss(data_dir, bf16):
+def test_nvfp4_experts_follow_the_unquantized_loss(tiny_cpt_losses, bf16):
     """NVFP4 experts vs unquantized experts in the model's dtype: an fp32 model,
     and a real --bf16 run (bf16 compute, fp32 main weights)."""
     dtype = "bf16" if bf16 else "fp32"
-    plain = _cpt_losses(data_dir, "bf16", bf16=bf16)  # "bf16" = unquantized, in the model's dtype
-    nvfp4 = _cpt_losses(data_dir, "nvfp4", bf16=bf16)
+    plain = tiny_cpt_losses(bf16=bf16)  # unquantized, in the model's dtype (shared with test_trainer.py)
+    nvfp4 = tiny_cpt_losses(bf16=bf16, expert_precision="nvfp4")
     last_plain, last_nvfp4 = sum(plain[-3:]) / 3, sum(nvfp4[-3:]) / 3
     print(f"{dtype} model, mean of the last 3 of 30 losses: unquantized {last_plain:.4f} "
           f"nvfp4 {last_nvfp4:.4f} ({(last_nvfp4 / last_plain - 1) * 100:+.2f}%)")

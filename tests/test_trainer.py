@@ -154,15 +154,8 @@ def test_bf16_main_weights_are_fp32_adamw_on_the_bf16_weights():
     assert differs >= len(ref_params) // 2, differs  # fp32 main weights keep what bf16 rounds away
 
 
-def test_bf16_tracks_fp32_loss_for_30_steps(data_dir):
-    from megatron_composer.data import CPTDataset
-
-    ds = CPTDataset(str(data_dir / "stdlib_train"), SEQ, seed=5)
-    runs = {}
-    for bf16 in (False, True):
-        tr = make_trainer(ds, bf16=bf16, lr_warmup_iters=3, lr_decay_iters=30)
-        runs[bf16] = [tr.step().lm_loss for _ in range(30)]
-    fp32, bf16 = runs[False], runs[True]
+def test_bf16_tracks_fp32_loss_for_30_steps(tiny_cpt_losses):
+    fp32, bf16 = tiny_cpt_losses(bf16=False), tiny_cpt_losses(bf16=True)
     assert sum(fp32[-3:]) / 3 < fp32[0] - 1.0  # it trained
     for a, b in zip(fp32, bf16):
         assert abs(a - b) <= 0.02 * a, (fp32, bf16)

@@ -31,3 +31,16 @@ def make_trainer(dataset, *, model_cfg=None, tp=1, cp=1, ep=1, etp=1, valid=None
     layout = ParallelLayout(world_size=dist.get_world_size(), tp=tp, cp=cp, ep=ep, etp=etp,
                             num_experts=model_cfg.num_experts or None)
     return Trainer(model_cfg, layout, TrainingData(dataset, valid), cfg, batch_transform=batch_transform)
+
+
+def cpt_losses(data_dir, *, steps=30, bf16=False, expert_precision="bf16") -> list[float]:
+    """lm losses of `steps` tiny-preset CPT steps on the embedded data (sequence 64, seed 5, warm-up 3,
+    decay over the run): the run `tiny_cpt_losses` in tests/conftest.py computes once per session.
+    `expert_precision` "bf16" means unquantized experts, in the model's dtype."""
+    from megatron_composer.config import MoEPrecisionConfig
+    from megatron_composer.data import CPTDataset
+
+    trainer = make_trainer(CPTDataset(str(data_dir / "stdlib_train"), 64, seed=5), lr_warmup_iters=3,
+                           lr_decay_iters=steps, bf16=bf16,
+                           moe_precision=MoEPrecisionConfig(moe_expert_precision=expert_precision))
+    return [trainer.step().lm_loss for _ in range(steps)]
