@@ -45,7 +45,7 @@ demo-cpt: $(STAMP)
 # TEST_WORKERS pytest-xdist workers (tests/conftest.py splits the cores between them).
 TEST_WORKERS ?= 2
 test: bubblewrap $(STAMP)
-	CUDA_VISIBLE_DEVICES= $(PY) -m pytest -q --durations=25 -m "not gpu" -n $(TEST_WORKERS) --dist loadgroup
+	CUDA_VISIBLE_DEVICES= $(PY) -m pytest -q --durations=25 -m "not gpu" -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -rs -m gpu

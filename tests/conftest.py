@@ -4,55 +4,20 @@ import os
 import pytest
 import torch
 
+from tests.scheduling import schedule, split_cores
+
 
 def _has_transformer_engine() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
-# Under pytest-xdist (`make test` runs `-n 2 --dist loadgroup`):
-# * each worker gets its share of the cores as torch intra-op threads, and the entry scripts the tests
-#   start inherit it (OMP_NUM_THREADS): two workers at 2 threads each on 2 cores run slower than one;
-# * tests that share a module- or class-scoped fixture run on one worker, which builds it once;
-# * `slow` tests are handed out first, so that the run does not end waiting for one of them.
-# The sandbox's fork-bomb test bounds the host's process count, which the Ray cluster test raises by
-# dozens: those two modules share a worker.
-_SAME_WORKER = {"test_sandbox": "host-processes", "test_async_rl": "host-processes"}
-# session fixtures that hold a result several modules check: their tests share a worker
-_SHARED_RESULTS = ("tiny_cpt_losses",)
-
-
 def pytest_configure(config):
-    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
-    if workers:
-        threads = max(1, (os.cpu_count() or 1) // int(workers))
-        torch.set_num_threads(threads)
-        os.environ["OMP_NUM_THREADS"] = str(threads)
-
-
-def _xdist_group(item) -> str | None:
-    module = item.module.__name__.rsplit(".", 1)[-1]
-    if module in _SAME_WORKER:
-        return _SAME_WORKER[module]
-    for name in _SHARED_RESULTS:
-        if name in item.fixturenames:
-            return name
-    for defs in item._fixtureinfo.name2fixturedefs.values():
-        if defs[-1].scope in ("class", "module", "package"):
-            return module
-    return None
-
-
-def _schedule_for_xdist(items):
-    for item in items:
-        group = _xdist_group(item)
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: slow ones first
+    split_cores()
 
 
 def pytest_collection_modifyitems(config, items):
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        _schedule_for_xdist(items)
+        schedule(items)  # tests/scheduling.py: how the suite is spread over pytest-xdist workers
     cuda = torch.cuda.is_available()
     te = _has_transformer_engine()
     no_cuda = pytest.mark.skip(reason="needs CUDA; run on a GPU machine with `make test-gpu`")
