@@ -143,7 +143,7 @@ def test_length_penalty_weights_reach_the_length_term():
 TERMS_MODULE = '''
 from megatron_composer.rl.rewards import register_reward_term
 
-register_reward_term("brevity", lambda sample: -0.25 * sample.effort_counts.final_message_tokens)
+register_reward_term("core_brevity", lambda sample: -0.25 * sample.effort_counts.final_message_tokens)
 '''
 
 
@@ -161,7 +161,7 @@ def _score_in_a_fresh_process(run, queue):
         from megatron_composer.rl.trainer import _Scored
 
         totals, per_term = score([_Scored(sample)], worker.trainer.reward_weights, worker.trainer.reward_terms)
-        queue.put((float(totals[0]), float(per_term["brevity"][0])))
+        queue.put((float(totals[0]), float(per_term["core_brevity"][0])))
     except Exception as exc:  # noqa: BLE001 - reported to the test
         queue.put(repr(exc))
 
@@ -169,14 +169,22 @@ def _score_in_a_fresh_process(run, queue):
 def test_a_reward_module_is_found_in_a_fresh_process_like_a_ray_actor(data_dir, tmp_path, monkeypatch):
     from megatron_composer.rl.arguments import parse_rl_args
 
-    (tmp_path / "my_terms.py").write_text(TERMS_MODULE)
+    import sys
+
+    from megatron_composer.rl.rewards import REWARD_TERMS
+
+    (tmp_path / "core_terms.py").write_text(TERMS_MODULE)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     run = parse_rl_args(["--model-preset", "tiny", "--num-layers", "2", "--seq-length", "256",
                          "--tokenizer-model", str(data_dir / "tokenizer.model"), "--data-cache-dir", str(data_dir),
-                         "--reward-module", "my_terms", "--reward", "correctness=1,brevity=1"])
+                         "--reward-module", "core_terms", "--reward", "correctness=1,core_brevity=1"])
+    # parsing imported the module here too; the fresh process must find it on its own, and the registry of
+    # this process goes back to what it was
+    REWARD_TERMS.pop("core_brevity")
+    sys.modules.pop("core_terms")
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     child = ctx.Process(target=_score_in_a_fresh_process, args=(run, queue))

@@ -19,7 +19,7 @@ from typing import Optional
 
 from .backends import EngineBackend
 from .config import RLConfig
-from .environments import build_environment
+from .environments import AgenticEnvironment, build_environment
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -56,7 +56,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         tokenizer = Tokenizer(model_path)
         engine = Engine.from_checkpoint(args.load, tokenizer=tokenizer, max_model_len=args.seq_length,
                                         max_batch_size=max(args.workers, 1))
-        base = RLConfig.from_flat(env="agentic-coding", task_families=args.families, max_turns=args.max_turns,
+        base = RLConfig.from_flat(env=AgenticEnvironment.name, task_families=args.families, max_turns=args.max_turns,
                                   max_new_tokens=args.max_new_tokens, token_budget=args.token_budget,
                                   max_observation_tokens=args.max_observation_tokens, max_summaries=args.max_summaries,
                                   summary_max_tokens=args.summary_max_tokens, episode_workers=max(args.workers, 1))
