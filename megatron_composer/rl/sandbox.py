@@ -105,6 +105,14 @@ SHELL = "/bin/sh"
 
 _INSTALL_HINT = "bubblewrap (bwrap) is not installed; install it with `apt-get install -y bubblewrap`"
 _DRAIN_S = 5.0  # after a kill, how long to wait for the pipes to close and the namespace to empty
+
+
+def _readable(fd: int, timeout_s: float) -> bool:
+    """Whether `fd` becomes readable within `timeout_s` (poll, not select: select fails on a descriptor
+    numbered 1024 or above, which a long-running process with many open files reaches)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(int(timeout_s * 1000)))
 _INFO_FD = "INFO_FD"  # placeholder in the argv for the pipe that receives bwrap's JSON (its child's pid)
 _READ_CHUNK = 1 << 16
 
@@ -376,9 +384,9 @@ class _Init:
     def wait_gone(self) -> None:
         if self.pidfd is None:
             return
-        if not select.select([self.pidfd], [], [], _DRAIN_S)[0]:
+        if not _readable(self.pidfd, _DRAIN_S):
             self.kill()
-            select.select([self.pidfd], [], [], _DRAIN_S)
+            _readable(self.pidfd, _DRAIN_S)
         os.close(self.pidfd)
         self.pidfd = None
 
