@@ -26,10 +26,11 @@ class; nothing outside this module branches on which backend runs.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional
+from typing import Optional
 
 from ..inference import SamplingParams
 from ..inference.params import Completion
+from .registry import Registry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,27 +67,9 @@ class RolloutBackend:
         self.stop()
 
 
-BACKENDS: dict[str, Callable[..., RolloutBackend]] = {}
-
-
-def register_backend(name: str):
-    """Class decorator: make a `RolloutBackend` buildable by `name` (`--rollout-backend`)."""
-
-    def add(cls):
-        if name in BACKENDS:
-            raise ValueError(f"rollout backend {name!r} is registered twice ({BACKENDS[name].__name__}, "
-                             f"{cls.__name__}); pick another name")
-        cls.name = name
-        BACKENDS[name] = cls
-        return cls
-
-    return add
-
-
-def get_backend(name: str) -> Callable[..., RolloutBackend]:
-    if name not in BACKENDS:
-        raise ValueError(f"rollout backend {name!r} is not registered; use one of {', '.join(sorted(BACKENDS))}")
-    return BACKENDS[name]
+BACKENDS = Registry("rollout backend", set_name=True)
+register_backend = BACKENDS.register  # class decorator: `@register_backend("name")`
+get_backend = BACKENDS.get_entry
 
 
 @register_backend("engine")

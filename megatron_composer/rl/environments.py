@@ -19,31 +19,19 @@ import concurrent.futures
 import dataclasses
 import math
 import random
-from typing import Callable, Optional
+from typing import Optional
 
 from .batches import RolloutSample
+from .registry import Registry
 from .rollout import completion_sample, episode_samples, sample_seed, sampling_params
 
-ENVIRONMENTS: dict[str, Callable[..., "Environment"]] = {}
-
-
-def register_environment(name: str):
-    def add(cls):
-        if name in ENVIRONMENTS:
-            raise ValueError(f"environment {name!r} is registered twice ({ENVIRONMENTS[name].__name__}, "
-                             f"{cls.__name__}); pick another name")
-        cls.name = name
-        ENVIRONMENTS[name] = cls
-        return cls
-
-    return add
+ENVIRONMENTS = Registry("environment", set_name=True)
+register_environment = ENVIRONMENTS.register  # class decorator: `@register_environment("name")`
 
 
 def environment_class(name: str):
     """The registered environment `name` (`--env`); ValueError listing the names otherwise."""
-    if name not in ENVIRONMENTS:
-        raise ValueError(f"--env {name!r}; use one of {', '.join(sorted(ENVIRONMENTS))}")
-    return ENVIRONMENTS[name]
+    return ENVIRONMENTS.get_entry(name)
 
 
 def build_environment(rl, tokenizer, seq_length: int, *, split: str = "train", count: Optional[int] = None,

@@ -37,26 +37,12 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+from .registry import Registry
+
 PolicyLossFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
-POLICY_LOSSES: dict[str, PolicyLossFn] = {}
-
-
-def register_policy_loss(name: str):
-    """Decorator: add `fn` to POLICY_LOSSES under `name`; a second loss of the same name raises."""
-    def add(fn: PolicyLossFn) -> PolicyLossFn:
-        if name in POLICY_LOSSES:
-            raise ValueError(f"policy loss {name!r} is already registered (by {POLICY_LOSSES[name].__qualname__}); "
-                             "register yours under another name")
-        POLICY_LOSSES[name] = fn
-        return fn
-    return add
-
-
-def get_policy_loss(name: str) -> PolicyLossFn:
-    """The registered loss `name`; ValueError listing the known names otherwise."""
-    if name not in POLICY_LOSSES:
-        raise ValueError(f"unknown policy loss {name!r}; choose one of {', '.join(sorted(POLICY_LOSSES))}")
-    return POLICY_LOSSES[name]
+POLICY_LOSSES = Registry("policy loss")
+register_policy_loss = POLICY_LOSSES.register  # decorator: `@register_policy_loss("name")`
+get_policy_loss = POLICY_LOSSES.get_entry  # the registered loss; ValueError listing the names otherwise
 
 
 @dataclasses.dataclass(frozen=True)
