@@ -42,7 +42,7 @@ demo-cpt: $(STAMP)
 	bash examples/tiny/cpt_32k.sh
 
 # The CPU suite stays on CPU (gloo) on a GPU machine too; `make test-gpu` is the device suite.
-# TEST_WORKERS pytest-xdist workers (tests/conftest.py splits the cores between them).
+# TEST_WORKERS pytest-xdist workers; tests/scheduling.py splits the cores between them and groups the tests.
 TEST_WORKERS ?= 2
 test: bubblewrap $(STAMP)
 	CUDA_VISIBLE_DEVICES= $(PY) -m pytest -q --durations=25 -m "not gpu" -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder

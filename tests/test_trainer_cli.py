@@ -1,8 +1,9 @@
 """pretrain_cpt.py end to end: kill -9 and resume, stage changes, --load and --save checks.
 
-Each test runs the real entry script in a subprocess on the cached
-embedded data with tiny shapes.
+Each run of the entry script is a subprocess on the cached embedded data with tiny shapes;
+the checks that stop before the first step call its main() in this process.
 """
+import functools
 import os
 import random
 import signal
@@ -12,6 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests.trainers import pretrain_in_process
 
 REPO = Path(__file__).resolve().parents[1]
 COMMON = ["--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "4",
@@ -96,23 +99,25 @@ def test_stage_change_loads_weights_only_and_no_load_optim(data_dir, tmp_path):
     assert fresh[3] == resumed[3] and fresh[4] != resumed[4]
 
 
-def test_load_must_name_a_checkpoint(data_dir, tmp_path):
+def test_load_must_name_a_checkpoint(data_dir, tmp_path, capsys):
     base = COMMON + ["--data-cache-dir", str(data_dir), "--train-iters", "1"]
-    missing = _run(base + ["--load", str(tmp_path / "nope")])
+    main = functools.partial(pretrain_in_process, capsys=capsys)  # each stops before the first step
+    missing = main(base + ["--load", str(tmp_path / "nope")])
     assert missing.returncode == 2 and f"--load {tmp_path / 'nope'} does not exist" in missing.stderr
     assert "Traceback" not in missing.stderr and "iteration" not in missing.stdout
     (tmp_path / "empty").mkdir()
-    empty = _run(base + ["--load", str(tmp_path / "empty")])
+    empty = main(base + ["--load", str(tmp_path / "empty")])
     assert empty.returncode == 2 and "is an empty directory" in empty.stderr
     (tmp_path / "junk").mkdir()
     (tmp_path / "junk" / "notes.txt").write_text("not a checkpoint")
-    junk = _run(base + ["--load", str(tmp_path / "junk")])
+    junk = main(base + ["--load", str(tmp_path / "junk")])
     assert junk.returncode == 2 and str(tmp_path / "junk") in junk.stderr and "Traceback" not in junk.stderr
 
 
-def test_unusable_save_dir_fails_before_training(data_dir, tmp_path):
+def test_unusable_save_dir_fails_before_training(data_dir, tmp_path, capsys):
     (tmp_path / "file").write_text("a file, not a directory")
-    out = _run(COMMON + ["--data-cache-dir", str(data_dir), "--train-iters", "3", "--save", str(tmp_path / "file" / "ckpt")])
+    out = pretrain_in_process(COMMON + ["--data-cache-dir", str(data_dir), "--train-iters", "3",
+                                        "--save", str(tmp_path / "file" / "ckpt")], capsys)
     assert out.returncode == 2 and str(tmp_path / "file") in out.stderr
     assert "Traceback" not in out.stderr
     assert not _losses(out.stdout)  # found at start-up, before any step

@@ -17,6 +17,7 @@ from megatron_composer.training.losses import (
 )
 from megatron_composer.optim.schedule import learning_rate
 from tests.distributed import run_distributed
+from tests.trainers import pretrain_in_process
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -207,38 +208,40 @@ def test_interrupted_save_keeps_the_previous_checkpoint(data_dir, tmp_path):
 
 
 # ---------------------------------------------------------------- bad input
+# The first starts the script; the others stop before the first step and call its main() in this process.
 def test_unknown_preset_is_refused():
     out = _run(["--model-preset", "gpt-9"])
     assert out.returncode != 0 and "unknown --model-preset 'gpt-9'" in out.stderr
 
 
-def test_sequence_longer_than_the_data(tmp_path):
+def test_sequence_longer_than_the_data(tmp_path, capsys):
     from megatron_composer.data.indexed import build_indexed_dataset
     from megatron_composer.data.tokenizer import Tokenizer, train_tokenizer
     from megatron_composer.data.corpus import stdlib_corpus
 
     model = train_tokenizer(stdlib_corpus("valid")[:3], 400, tmp_path / "tok")
     build_indexed_dataset(["def f():\n    return 1\n"] * 3, Tokenizer(model), str(tmp_path / "small"), progress=False)
-    out = _run(["--data-path", str(tmp_path / "small"), "--tokenizer-model", str(model),
-                "--seq-length", "512", "--train-iters", "1"])
+    out = pretrain_in_process(["--data-path", str(tmp_path / "small"), "--tokenizer-model", str(model),
+                               "--seq-length", "512", "--train-iters", "1"], capsys)
     assert out.returncode != 0
     assert "--seq-length" in out.stderr and "512" in out.stderr
 
 
-def test_missing_data_path(tmp_path):
-    out = _run(["--data-path", str(tmp_path / "nope"), "--tokenizer-model", str(tmp_path / "nope.model")])
+def test_missing_data_path(tmp_path, capsys):
+    out = pretrain_in_process(["--data-path", str(tmp_path / "nope"), "--tokenizer-model", str(tmp_path / "nope.model")],
+                              capsys)
     assert out.returncode != 0 and str(tmp_path / "nope") in out.stderr
 
 
-def test_corrupt_index_is_named(data_dir, tmp_path):
+def test_corrupt_index_is_named(data_dir, tmp_path, capsys):
     import shutil
 
     for ext in (".bin", ".idx"):
         shutil.copy(data_dir / f"stdlib_valid{ext}", tmp_path / f"bad{ext}")
     idx = tmp_path / "bad.idx"
     idx.write_bytes(idx.read_bytes()[:40])
-    out = _run(["--data-path", str(tmp_path / "bad"), "--tokenizer-model", str(data_dir / "tokenizer.model"),
-                "--train-iters", "1"])
+    out = pretrain_in_process(["--data-path", str(tmp_path / "bad"), "--tokenizer-model",
+                               str(data_dir / "tokenizer.model"), "--train-iters", "1"], capsys)
     assert out.returncode != 0 and "bad.idx" in out.stderr and "preprocess_data.py" in out.stderr
 
 

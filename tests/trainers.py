@@ -44,3 +44,17 @@ def cpt_losses(data_dir, *, steps=30, bf16=False, expert_precision="bf16") -> li
                            lr_decay_iters=steps, bf16=bf16,
                            moe_precision=MoEPrecisionConfig(moe_expert_precision=expert_precision))
     return [trainer.step().lm_loss for _ in range(steps)]
+
+
+def pretrain_in_process(argv, capsys):
+    """`python pretrain_cpt.py *argv` as its `main(argv)` in this process, for a check that stops before
+    the first step (an interpreter start, about 10 s on 2 cores, costs more than the check): a
+    `subprocess.CompletedProcess` with its exit code, stdout and stderr."""
+    import subprocess
+
+    import pretrain_cpt
+
+    capsys.readouterr()
+    code = pretrain_cpt.main(list(argv))
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(["pretrain_cpt.py", *argv], code, out.out, out.err)
