@@ -248,11 +248,41 @@ def test_cuda_fusions_table():
     assert not local["apply_rope_fusion"] and not local["moe_permute_fusion"]  # both TE kernels here
     assert not cuda_fusions("local", 1, "rope", grouped_local_experts=True, on_cuda=True)["bias_activation_fusion"]
     te = cuda_fusions("transformer_engine", 1, "rope", False, on_cuda=True)
-    assert te["apply_rope_fusion"] and te["moe_permute_fusion"]
-    assert not cuda_fusions("transformer_engine", 2, "rope", False, on_cuda=True)["apply_rope_fusion"]
+    # megatron-core fuses MLA's RoPE only for YaRN (its Triton kernel), with or without TE
+    assert not te["apply_rope_fusion"] and te["moe_permute_fusion"]
+    assert cuda_fusions("transformer_engine", 1, "yarn", False, on_cuda=True)["apply_rope_fusion"]
+    assert not cuda_fusions("transformer_engine", 2, "yarn", False, on_cuda=True)["apply_rope_fusion"]
     assert not cuda_fusions("transformer_engine", 1, "rope", False, "mxfp8", on_cuda=True)["moe_permute_fusion"]
     for off in ("masked_softmax_fusion", "persist_layer_norm", "gradient_accumulation_fusion"):
         assert not te[off] and not local[off]
+
+
+@pytest.mark.parametrize("yarn", [False, True], ids=["rope", "yarn"])
+@pytest.mark.parametrize("impl", ["transformer_engine", "local"])
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+def test_cuda_config_is_one_megatron_core_accepts(preset, impl, yarn, monkeypatch):
+    """The MLATransformerConfig a CUDA run of the preset hands megatron-core constructs
+    (its __post_init__ checks the fusions against the RoPE type); built here with CUDA
+    faked and Transformer Engine taken as present."""
+    import importlib.util
+
+    from megatron_composer.config.model import YarnConfig
+    from megatron_composer.models import builder
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(builder, "require_transformer_engine", lambda: None)
+    from megatron.core.transformer.moe import moe_utils
+
+    for name in ("fused_permute", "fused_permute_with_probs", "fused_sort_chunks_by_index",
+                 "fused_sort_chunks_by_index_with_probs", "fused_unpermute"):  # TE's, checked by name
+        monkeypatch.setattr(moe_utils, name, object(), raising=False)
+    cfg = get_preset(preset)
+    if yarn:
+        cfg = dataclasses.replace(cfg, yarn=YarnConfig(factor=4.0, original_max_position_embeddings=1024))
+    tconfig = builder.transformer_config(cfg, params_dtype=torch.bfloat16, impl=TransformerImplConfig(impl))
+    # MLA's fused RoPE is megatron-core's Triton YaRN kernel; plain RoPE has none.
+    assert tconfig.apply_rope_fusion == (yarn and importlib.util.find_spec("triton") is not None)
+    assert tconfig.bias_dropout_fusion and tconfig.moe_permute_fusion == (impl == "transformer_engine")
 
 
 def test_tp_with_replicated_experts_needs_etp():

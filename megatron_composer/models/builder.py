@@ -39,7 +39,8 @@ Fusions (`cuda_fusions`), all off on CPU, where the plain paths are exact:
     fusion                        on CUDA            needs
     bias_activation_fusion        yes (*)            nothing: megatron's jit-fused SwiGLU
     bias_dropout_fusion           yes                nothing: jit-fused bias-dropout-add
-    apply_rope_fusion             yes at CP = 1 (**) yarn: megatron's Triton MLA RoPE; plain rope: TE
+    apply_rope_fusion             yarn, CP = 1 (**)  Triton: megatron's fused MLA YaRN RoPE (plain RoPE has
+                                                     none for MLA; megatron-core refuses the flag)
     moe_permute_fusion            with TE            TE's fused permute (bf16 dispatch only)
     masked_softmax_fusion         no                 Apex; read only by megatron's DotProductAttention
     persist_layer_norm            no                 Apex's FusedLayerNorm; torch and TE norms ignore it
@@ -86,7 +87,8 @@ def cuda_fusions(transformer_impl: str, context_parallel: int, rope_type: str, g
     """megatron-core's fusion switches for this build (the table in the module docstring)."""
     on_cuda = torch.cuda.is_available() if on_cuda is None else on_cuda
     te = transformer_impl == "transformer_engine"
-    rope_fusion = context_parallel == 1 and (te or (rope_type == "yarn" and _have_triton()))
+    # MLA's only fused RoPE is megatron's Triton YaRN kernel, whatever the layer implementation.
+    rope_fusion = context_parallel == 1 and rope_type == "yarn" and _have_triton()
     return dict(
         bias_activation_fusion=on_cuda and not grouped_local_experts,
         bias_dropout_fusion=on_cuda,
