@@ -85,22 +85,6 @@ def test_alltoall_splits_become_numpy():
     assert moe_utils.maybe_move_tensor_to_cpu(splits) is splits
 
 
-def test_mla_te_branch_disabled():
-    from megatron.core.transformer import multi_latent_attention
-
-    assert multi_latent_attention.HAVE_TE is False
-
-
-def test_router_gemm_uses_torch_path():
-    from megatron.core.transformer.moe.moe_utils import router_gating_linear
-
-    x, w = torch.randn(5, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True)
-    out = router_gating_linear(x, w, None, torch.float32)
-    torch.testing.assert_close(out, x @ w.t())
-    out.sum().backward()
-    torch.testing.assert_close(w.grad, torch.ones(5, 4).t() @ x.detach())
-
-
 def test_version_mismatch_is_refused(monkeypatch):
     import megatron.core
 

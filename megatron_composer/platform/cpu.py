@@ -16,11 +16,12 @@ source of truth: `SHIMS` is built from it and `apply_cpu_shims` walks it.
 | tensor_cuda | `Tensor.cuda()` / `Tensor.to("cuda")` on small bookkeeping tensors | CUDA absent | stays on CPU |
 | device_cuda_literal | `torch.zeros/empty/ones/tensor/arange(..., device="cuda")` | CUDA absent | allocates on CPU |
 | alltoall_splits | `moe_utils.maybe_move_tensor_to_cpu` gives the alltoall dispatcher its split sizes | gloo `all_to_all_single` needs Python ints, not a tensor | converts the split tensor to a list |
-| mla_te_branch | `multi_latent_attention.HAVE_TE` guards TE-only branches | megatron's TE extension module imports without TE, so the flag is True | set False when `transformer_engine` is not installed |
-| router_gemm | `moe_utils.RouterGatingLinearFunction` tests `te_general_gemm is not None` | without TE the name is never defined (NameError) | define it as `None`, selecting megatron's own torch.mm path |
 | torch_compile | `torch.compile` on megatron helpers (e.g. `TopKRouter._apply_expert_bias`) | compiles with the C++ toolchain on first use, ~5 CPU-seconds per process, no gain at CPU sizes | dynamo disabled (eager, same results); `MEGATRON_COMPOSER_CPU_COMPILE=1` keeps it |
 
-Anything not in the table is a bug to report, not to patch silently.
+megatron-core's defects without Transformer Engine (the router's
+`te_general_gemm`, MLA's `HAVE_TE`) break CUDA runs too; `platform.compat`
+fixes them on every device. Anything in neither table is a bug to report, not
+to patch silently.
 """
 from __future__ import annotations
 
@@ -224,26 +225,6 @@ def _shim_alltoall_splits():
         token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
 
 
-def _shim_mla_te_branch():
-    import importlib.util
-
-    from megatron.core.transformer import multi_latent_attention
-
-    # megatron-core's TE extension module imports without TE installed, so
-    # MLA sets HAVE_TE=True and would take TE-only branches; say the truth.
-    if importlib.util.find_spec("transformer_engine") is None:
-        multi_latent_attention.HAVE_TE = False
-
-
-def _shim_router_gemm():
-    from megatron.core.transformer.moe import moe_utils
-
-    # Without TE the import block that defines `te_general_gemm` fails, and
-    # the gating function then hits a NameError instead of its torch.mm path.
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-
-
 def _shim_torch_compile():
     import os
 
@@ -262,8 +243,6 @@ SHIMS: tuple[Shim, ...] = (
     Shim("tensor_cuda", _shim_tensor_cuda),
     Shim("device_cuda_literal", _shim_device_cuda_literal),
     Shim("alltoall_splits", _shim_alltoall_splits),
-    Shim("mla_te_branch", _shim_mla_te_branch),
-    Shim("router_gemm", _shim_router_gemm),
     Shim("torch_compile", _shim_torch_compile),
 )
 

@@ -12,7 +12,8 @@ each process selects GPU LOCAL_RANK (`torch.cuda.set_device`) before anything
 touches CUDA, so NCCL communicators and megatron-core's buffers
 (`torch.cuda.current_device()`) land on it; `local_device()` is where the
 trainer puts the model and the batches. On CPU the megatron-core shims of
-`platform.cpu` are applied before any model is built.
+`platform.cpu` are applied before any model is built; on every device the
+fixes of `platform.compat` for megatron-core without Transformer Engine.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .compat import apply_library_fixes
 from .cpu import apply_cpu_shims
 
 
@@ -119,6 +121,7 @@ def init_distributed(timeout_minutes: int = 30) -> DistEnv:
         apply_cpu_shims()
     else:
         _select_gpu(env.local_rank)
+    apply_library_fixes()
     if not dist.is_initialized() and env.launcher == "single":
         # One process needs no rendezvous: an in-memory store, no port to race for.
         dist.init_process_group(
