@@ -33,20 +33,68 @@ QUANT_TINY = dataclasses.replace(TINY, moe_ffn_hidden_size=128)
     ((12, 0), ["fp8-tensorwise", "fp8-blockwise"]),  # TE: MXFP8 no, NVFP4 partial on 12.0
 ])
 def test_available_recipes_per_generation(capability, expected):
-    assert available_recipes(capability) == expected
+    assert available_recipes(capability, "12.9") == expected
+    assert available_recipes(capability, "13.0", te="2.11.0") == expected
+
+
+@pytest.mark.parametrize("capability, cuda, te, expected", [
+    # TE's block-scaled FP8 GEMM needs torch built for CUDA >= 12.9 (check_fp8_block_scaling_support)
+    ((9, 0), "12.8", None, ["fp8-tensorwise"]),
+    ((9, 0), "12.6", "2.11.0", ["fp8-tensorwise"]),
+    ((10, 0), "12.8", None, ["fp8-tensorwise", "fp8-mxfp8", "fp4-nvfp4"]),
+    ((9, 0), None, None, ["fp8-tensorwise"]),
+    # TE before 2.9 runs block scaling on Hopper only
+    ((10, 0), "12.9", "2.8.0", ["fp8-tensorwise", "fp8-mxfp8", "fp4-nvfp4"]),
+    ((9, 0), "12.9", "2.8.0", ["fp8-tensorwise", "fp8-blockwise"]),
+    # FP8 on Ada needs CUDA >= 12.1 (check_fp8_support)
+    ((8, 9), "12.0", None, []),
+    ((8, 9), "12.1", None, ["fp8-tensorwise"]),
+])
+def test_available_recipes_follow_the_cuda_and_te_versions(capability, cuda, te, expected):
+    assert available_recipes(capability, cuda, te) == expected
 
 
 def test_check_recipe_names_the_generation_and_what_works():
-    check_recipe("fp8-blockwise", (9, 0))
+    check_recipe("fp8-blockwise", (9, 0), "12.9")
     with pytest.raises(ValueError, match=r"--fp8-recipe mxfp8 needs data-center Blackwell.*H200 is Hopper "
                                          r"\(compute capability 9.0\).*fp8-tensorwise, fp8-blockwise"):
-        check_recipe("fp8-mxfp8", (9, 0), "H200")
+        check_recipe("fp8-mxfp8", (9, 0), "12.9", "H200")
     with pytest.raises(ValueError, match=r"--fp4-recipe nvfp4 .* Ada .*: fp8-tensorwise"):
-        check_recipe("fp4-nvfp4", (8, 9))
+        check_recipe("fp4-nvfp4", (8, 9), "12.9")
     with pytest.raises(ValueError, match=r"Ampere .*none \(bf16 only\)"):
-        check_recipe("fp8-tensorwise", (8, 0))
+        check_recipe("fp8-tensorwise", (8, 0), "12.9")
     with pytest.raises(ValueError, match=r"unknown TE recipe 'fp8-delayed'"):
-        check_recipe("fp8-delayed", (9, 0))
+        check_recipe("fp8-delayed", (9, 0), "12.9")
+
+
+def test_check_recipe_names_the_cuda_version_and_what_works():
+    with pytest.raises(ValueError, match=r"--fp8-recipe blockwise needs CUDA 12.9 or newer .*built with CUDA 12.8\. "
+                                         r"H100 is Hopper \(compute capability 9.0\), where these TE recipes run: "
+                                         r"fp8-tensorwise\. .*cu129"):
+        check_recipe("fp8-blockwise", (9, 0), "12.8", "H100")
+    with pytest.raises(ValueError, match=r"needs Transformer Engine 2.9 or newer beyond Hopper; "
+                                         r"transformer-engine 2.8.1 is installed"):
+        check_recipe("fp8-blockwise", (10, 0), "12.9", "B200", te="2.8.1")
+
+
+def test_start_up_refuses_blockwise_on_hopper_with_cuda_12_8(monkeypatch):
+    """The flag check run at start-up reads torch's CUDA version, not only the GPU."""
+    from megatron_composer.config import TrainingConfig
+    from megatron_composer.models import te_spec
+    from megatron_composer.training.arguments import check_transformer_impl
+
+    args = _parse("--transformer-impl", "local", "--bf16")
+    cfg = dataclasses.replace(TrainingConfig.from_args(args), transformer=TransformerImplConfig(
+        "transformer_engine", fp8_format="e4m3", fp8_recipe="blockwise"))
+    monkeypatch.setattr(te_spec, "require_transformer_engine", lambda: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    with pytest.raises(ValueError, match=r"--fp8-recipe blockwise needs CUDA 12.9 or newer.*NVIDIA H100"):
+        check_transformer_impl(cfg, TINY)
+    monkeypatch.setattr(torch.version, "cuda", "12.9")
+    check_transformer_impl(cfg, TINY)
 
 
 # ---------------------------------------------------------------- flags
@@ -412,9 +460,9 @@ def test_te_checkpoint_loads_into_a_local_model(tmp_path):
 def test_te_recipes_step_where_the_gpu_has_them(fp8_recipe, fp4_recipe):
     name = f"fp8-{fp8_recipe}" if fp8_recipe else f"fp4-{fp4_recipe}"
     assert name in RECIPES
-    if name not in available_recipes(_capability()):
+    if name not in available_recipes(_capability(), torch.version.cuda):
         with pytest.raises(ValueError) as err:
-            check_recipe(name, _capability(), torch.cuda.get_device_name())
+            check_recipe(name, _capability(), torch.version.cuda, torch.cuda.get_device_name())
         pytest.skip(str(err.value))
     tr, results = _te_trainer(fp8_recipe, fp4_recipe)
     assert all(torch.isfinite(torch.tensor(r.lm_loss)) and not r.skipped for r in results)

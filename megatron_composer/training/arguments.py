@@ -362,7 +362,7 @@ def check_transformer_impl(cfg: TrainingConfig, model_cfg: ModelConfig) -> None:
     import torch
 
     from ..models.te_spec import check_te_choices, require_transformer_engine
-    from ..platform.recipes import check_recipe
+    from ..platform.recipes import check_recipe_on_this_gpu
 
     impl = cfg.transformer
     cfg.recompute.check_layers(model_cfg.num_layers)
@@ -370,7 +370,7 @@ def check_transformer_impl(cfg: TrainingConfig, model_cfg: ModelConfig) -> None:
         require_transformer_engine()
     check_te_choices(impl, cfg.recompute, cfg.moe_precision.moe_expert_precision)
     if impl.te_recipe and torch.cuda.is_available():
-        check_recipe(impl.te_recipe, torch.cuda.get_device_capability(), torch.cuda.get_device_name())
+        check_recipe_on_this_gpu(impl.te_recipe)
 
 
 def check_low_precision(args, cfg: ModelConfig) -> None:
