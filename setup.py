@@ -1,8 +1,11 @@
 """Install megatron-composer.
 
-On a machine without CUDA the CPU build of torch is pinned (`torch==2.13.0`);
-a CUDA machine keeps the torch it has. megatron-core is pinned to the one
-release whose internals `megatron_composer.platform.cpu` is checked against.
+On a machine without CUDA the CPU build of torch is pinned (`torch==2.13.0`)
+and so is megatron-core, to the one release whose internals the CPU backend
+(`megatron_composer.platform.cpu`) is checked against. A CUDA machine keeps
+the torch and megatron-core it has within the range the code runs with
+(`megatron_composer.platform.versions` says why: torch 2.9 for
+`torch._grouped_mm`, megatron-core 0.16.1 checked and 0.17 - 0.19 accepted).
 """
 import os
 import shutil
@@ -16,7 +19,9 @@ def _has_cuda() -> bool:
     return shutil.which("nvidia-smi") is not None or os.path.exists("/proc/driver/nvidia")
 
 
-TORCH = "torch>=2.6" if _has_cuda() else "torch==2.13.0"
+CUDA = _has_cuda()
+TORCH = "torch>=2.9" if CUDA else "torch==2.13.0"
+MEGATRON_CORE = "megatron-core>=0.16.1,<0.20" if CUDA else "megatron-core==0.16.1"
 
 setup(
     name="megatron-composer",
@@ -32,7 +37,8 @@ setup(
     package_data={"megatron_composer.rl.tasks.coding": ["codebase/*.py", "codebase/*/*.py"]},
     install_requires=[
         TORCH,
-        "megatron-core==0.16.1",
+        MEGATRON_CORE,
+        "packaging",  # platform/versions.py
         "numpy",
         "einops",
         "sentencepiece",
@@ -52,9 +58,9 @@ setup(
         # pytest-xdist: `make test` runs the suite on two workers
         "test": ["pytest", "pytest-xdist", "transformers", "triton>=3.0; platform_system == 'Linux'",
                  "openai", "schemathesis", "hypothesis", "httpx", "ray"],
-        # What megatron-core 0.16.1 supports. Never the PyPI package named
-        # `apex`: it is an unrelated project.
-        "gpu": ["transformer-engine[pytorch]>=2.9,<2.12", "pyyaml"],
+        # megatron-core 0.16.1 declares 2.9 - 2.11; newer releases (current NGC containers) are kept,
+        # and the doctor notes them. Never the PyPI package named `apex`: it is an unrelated project.
+        "gpu": ["transformer-engine[pytorch]>=2.9", "pyyaml"],
         # optional: megatron-core imports wandb whenever it is installed (~1 s per process)
         "wandb": ["wandb"],
         "rl": ["ray"],

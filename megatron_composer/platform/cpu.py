@@ -1,4 +1,4 @@
-"""Run megatron-core 0.16.1 on CPU + gloo.
+"""Run megatron-core 0.16.1 on CPU + gloo (and refuse any other release there: `platform.versions`).
 
 megatron-core officially supports only CUDA + NCCL. Its model code is plain
 PyTorch, except for a few places that reach for CUDA directly. Each shim
@@ -32,26 +32,9 @@ from typing import Callable
 
 import torch
 
-SUPPORTED_MEGATRON_CORE = "0.16.1"
+from .versions import MegatronCoreVersionError, check_megatron_core_version
 
-
-class MegatronCoreVersionError(RuntimeError):
-    pass
-
-
-def check_megatron_core_version() -> str:
-    """Refuse megatron-core versions whose internals the shims were not checked against."""
-    import megatron.core
-
-    version = getattr(megatron.core, "__version__", "unknown")
-    if version != SUPPORTED_MEGATRON_CORE:
-        raise MegatronCoreVersionError(
-            f"megatron-core {version} is installed, but megatron-composer's CPU backend is "
-            f"written against megatron-core=={SUPPORTED_MEGATRON_CORE}. Install it with "
-            f"`pip install megatron-core=={SUPPORTED_MEGATRON_CORE}` (or run on CUDA, where "
-            "no shims are applied)."
-        )
-    return version
+__all__ = ["MegatronCoreVersionError", "SHIMS", "apply_cpu_shims", "applied_shims", "check_megatron_core_version"]
 
 
 @dataclass(frozen=True)
@@ -255,7 +238,7 @@ def apply_cpu_shims(force: bool = False) -> list[str]:
         return []
     if _applied:
         return list(_applied)
-    check_megatron_core_version()
+    check_megatron_core_version(on_cuda=False)
     for shim in SHIMS:
         shim.apply()
         _applied.append(shim.name)

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from .compat import apply_library_fixes
 from .cpu import apply_cpu_shims
+from .versions import check_megatron_core_version
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,7 @@ def init_distributed(timeout_minutes: int = 30) -> DistEnv:
     if not torch.cuda.is_available():
         apply_cpu_shims()
     else:
+        check_megatron_core_version(on_cuda=True)  # on CPU apply_cpu_shims checks it
         _select_gpu(env.local_rank)
     apply_library_fixes()
     if not dist.is_initialized() and env.launcher == "single":

@@ -119,6 +119,13 @@ def available_recipes(capability: tuple[int, int], cuda: Optional[str], te: Opti
     return [name for name in _by_generation(capability) if _missing(name, capability, cuda, te) is None]
 
 
+def recipe_blockers(capability: tuple[int, int], cuda: Optional[str], te: Optional[str] = None) -> dict[str, str]:
+    """{recipe: what it needs} for the recipes this generation runs but the CUDA or TE version blocks."""
+    capability = tuple(capability)
+    blocked = {name: _missing(name, capability, cuda, te) for name in _by_generation(capability)}
+    return {name: missing[0] for name, missing in blocked.items() if missing is not None}
+
+
 def recipe_name(fp8_recipe: Optional[str] = None, fp4_recipe: Optional[str] = None) -> Optional[str]:
     """The table's name for `--fp8-recipe` / `--fp4-recipe` values (None: no TE recipe)."""
     if fp8_recipe is not None and fp4_recipe is not None:
