@@ -164,6 +164,23 @@ def test_asking_for_te_without_it_names_the_install():
         build_model(TINY, impl=TransformerImplConfig("transformer_engine"))
 
 
+@pytest.mark.skipif(have_transformer_engine(), reason="checks the error without Transformer Engine")
+def test_a_transformer_engine_that_fails_to_load_is_named(tmp_path, monkeypatch):
+    """A TE whose CUDA libraries do not load raises OSError; the error says so, not only "install it"."""
+    import sys
+
+    from megatron_composer.models.te_spec import require_transformer_engine
+
+    (tmp_path / "transformer_engine").mkdir()
+    (tmp_path / "transformer_engine" / "__init__.py").write_text(
+        'raise OSError("libtransformer_engine.so: cannot open shared object file")\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"does not import here \(OSError: libtransformer_engine\.so: cannot "
+                                         r"open shared object file\); .*platform\.doctor"):
+        require_transformer_engine()
+    assert "transformer_engine" not in sys.modules
+
+
 # ---------------------------------------------------------------- quantization recipe
 def test_quant_recipe_quantizes_only_the_routed_experts():
     from megatron.core.quantization.utils import get_quant_config_or_none

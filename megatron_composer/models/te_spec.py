@@ -50,24 +50,31 @@ INSTALL_HINT = "pip install -e '.[gpu]'"
 ROUTED_EXPERTS_PATTERN = "*.mlp.experts.*"
 
 
-def have_transformer_engine() -> bool:
-    """Whether `transformer_engine.pytorch` imports (a CPU-only torch has no TE build)."""
+def transformer_engine_import_error() -> Optional[str]:
+    """None when `transformer_engine.pytorch` imports (a CPU-only torch has no TE build), else why not:
+    "not installed", or the exception (a TE whose CUDA libraries do not load raises OSError)."""
     if importlib.util.find_spec("transformer_engine") is None:
-        return False
+        return "not installed"
     try:
         import transformer_engine.pytorch  # noqa: F401
-    except (ImportError, OSError, RuntimeError):
-        return False
-    return True
+    except (ImportError, OSError, RuntimeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def have_transformer_engine() -> bool:
+    """Whether `transformer_engine.pytorch` imports."""
+    return transformer_engine_import_error() is None
 
 
 def require_transformer_engine() -> None:
     """Raise a ValueError naming the install if Transformer Engine does not import."""
-    if not have_transformer_engine():
+    error = transformer_engine_import_error()
+    if error is not None:
         raise ValueError(
-            "--transformer-impl transformer_engine needs Transformer Engine, which does not import here; "
-            f"install it with `{INSTALL_HINT}` (transformer-engine[pytorch] for CUDA), or use "
-            "--transformer-impl local")
+            f"--transformer-impl transformer_engine needs Transformer Engine, which does not import here "
+            f"({error}); install it with `{INSTALL_HINT}` (transformer-engine[pytorch] for CUDA; "
+            "`python -m megatron_composer.platform.doctor` checks it), or use --transformer-impl local")
 
 
 def check_te_choices(impl, recompute, expert_precision: str) -> None:
