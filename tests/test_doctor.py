@@ -1,6 +1,7 @@
 """`python -m megatron_composer.platform.doctor`: versions, GPU generations, recipes."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -50,7 +51,7 @@ def test_megatron_core_gate(version, on_cuda, ok, note):
     if note is None:
         assert verdict.note is None
     else:
-        assert verdict.note is not None and __import__("re").search(note, verdict.note), verdict.note
+        assert verdict.note is not None and re.search(note, verdict.note), verdict.note
 
 
 @pytest.mark.parametrize("version, ok, noted", [
@@ -76,7 +77,7 @@ def test_transformer_engine_gate(version, ok, noted):
 def test_torch_gate(version, on_cuda, ok, note):
     verdict = torch_verdict(version, on_cuda)
     assert verdict.ok is ok
-    assert (verdict.note is None) if note is None else __import__("re").search(note, verdict.note)
+    assert (verdict.note is None) if note is None else re.search(note, verdict.note)
 
 
 # ---------------------------------------------------------------- C compiler, broken TE
@@ -100,7 +101,8 @@ def test_c_compiler_follows_tritons_order(tmp_path):
 def _facts(**changes):
     info = {"python": "3.12.3", "torch": "2.10.0+cu130", "torch_cuda": "13.0", "cudnn": 91300, "nccl": "2.28.3",
             "torch_grouped_mm": True, "torch_varlen_attn": True, "cuda_available": True,
-            "megatron_core": "0.16.1", "megatron_core_import_error": None, "transformer_engine": "2.11.0", "transformer_engine_import_error": None,
+            "megatron_core": "0.16.1", "megatron_core_import_error": None,
+            "transformer_engine": "2.11.0", "transformer_engine_import_error": None,
             "flash_attn": None, "triton": "3.5.0", "gpus": [], "problems": [], "warnings": [],
             "c_compiler": {"compiler": "/usr/bin/gcc", "source": "PATH", "problem": None}}
     info.update(changes)
