@@ -179,7 +179,7 @@ class ContextParallelMLASelfAttention(MLASelfAttention):
         else:
             table, mscale = self.rotary_pos_emb(longest, packed_seq=True)
         # packed_seq=True: the whole table, without megatron's own CP slicing.
-        return table.index_select(0, layout.positions(rank).to(table.device)), mscale
+        return table.index_select(0, layout.positions(rank, table.device)), mscale
 
     def _rope(self, x, freqs, mscale):
         return apply_rotary_pos_emb(x, freqs, config=self.config, cu_seqlens=None, mscale=mscale,
@@ -236,7 +236,7 @@ class ContextParallelMLASelfAttention(MLASelfAttention):
         query = _maybe_checkpoint(checkpoints, query_up, q_compressed)
 
         # 4. full latents in global order, K/V up-projection
-        full = pending.wait().index_select(0, layout.unzigzag_index().to(latent.device))
+        full = pending.wait().index_select(0, layout.unzigzag_index(latent.device))
         key, value = _maybe_checkpoint(checkpoints, self._kv_up_proj, full)
         # megatron-core's MLA forward discards the up-projected tensors after core
         # attention and recomputes them when the core attention's gradient arrives.
