@@ -42,7 +42,7 @@ from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from ..parallel.collectives import all_gather_single, reduce_scatter_single
 from ..parallel import Segment, ZigzagLayout
 from .core import MLACoreAttention
-from .kernels import causal_attention, pad_value
+from .kernels import causal_attention, sdpa_backend, value_for
 
 
 # ------------------------------------------------------------ collectives
@@ -114,7 +114,8 @@ def attend_segments(query, key, value, segments: list[Segment], softmax_scale: f
         [s_local, b, n * dv] (packed: [t_local, n * dv]).
     """
     dv = value.shape[-1]
-    value = pad_value(value, query.shape[-1])  # once, not per overlapping key range
+    # once, not per overlapping key range
+    value = value_for(sdpa_backend(query.device, query.dtype), value, query.shape[-1])
     outs = []
     for seg in segments:
         q, k, v = query[seg.q_start:seg.q_end], key[seg.k_start:seg.k_end], value[seg.k_start:seg.k_end]
