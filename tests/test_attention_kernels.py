@@ -167,3 +167,52 @@ def test_values_wider_than_keys_are_rejected():
     q, k, v = torch.zeros(1, 1, 2, 8), torch.zeros(1, 1, 2, 8), torch.zeros(1, 1, 2, 12)
     with pytest.raises(ValueError, match="value head size 12 exceeds the query/key head size 8"):
         causal_attention(q, k, v, None)
+
+
+# ----------------------------------------------- V padding, per backend
+
+
+def test_pads_value_decision_table():
+    """torch's sdp_utils rules: flash (CPU, CUDA FA2, varlen) needs one head size for q/k/v;
+    CUDA memory-efficient takes V at its own size when both are multiples of its alignment
+    (4 for fp32, 8 for fp16/bf16 on sm80+)."""
+    pads, bf16 = kernels.pads_value, torch.bfloat16
+    assert pads("cpu_flash", 48, 32) and pads("cuda_flash", 192, 128, bf16)
+    assert pads("varlen_flash", 192, 128, bf16)
+    assert not pads("cuda_efficient", 192, 128) and not pads("cuda_efficient", 192, 128, bf16)
+    assert not pads("cuda_efficient", 48, 32)  # the tiny preset, fp32
+    assert pads("cuda_efficient", 48, 30) and not pads("cuda_efficient", 46, 30)  # only an aligned K helps
+    assert not pads("cuda_efficient", 48, 36) and pads("cuda_efficient", 48, 36, bf16)
+    assert not any(pads(b, 64, 64) for b in kernels.BACKENDS)
+    with pytest.raises(ValueError, match="unknown attention backend 'cudnn_v9'"):
+        pads("cudnn_v9", 64, 32)
+    with pytest.raises(ValueError, match="value head size 40 exceeds the query/key head size 32"):
+        pads("cuda_flash", 32, 40)
+
+
+def test_sdpa_backend_by_device_and_dtype():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert kernels.sdpa_backend(cpu, torch.bfloat16) == kernels.sdpa_backend(cpu, torch.float32) == "cpu_flash"
+    assert kernels.sdpa_backend(cuda, torch.bfloat16) == "cuda_flash"
+    assert kernels.sdpa_backend(cuda, torch.float32) == "cuda_efficient"
+
+
+@pytest.mark.parametrize("sq,sk", [(7, 7), (5, 12)])
+def test_unpadded_value_path_equals_reference(monkeypatch, sq, sk):
+    """The CUDA fp32 path (memory-efficient, V unpadded) played on CPU by SDPA's math kernel:
+    SDPA sees V at its own head size, and the result equals the reference."""
+    seen = []
+    sdpa = kernels._sdpa
+    monkeypatch.setattr(kernels, "sdpa_backend", lambda device, dtype: "cuda_efficient")
+    monkeypatch.setattr(kernels, "_sdpa", lambda q, k, v, **kw: seen.append(v.shape[-1]) or sdpa(q, k, v, **kw))
+    q, k, v = _leaves((2, 3, sq, 24), (2, 3, sk, 24), (2, 3, sk, 16), seed=sq + sk)
+    q_pos, k_pos = torch.arange(sq) + sk - sq, torch.arange(sk)
+    zeros_q, zeros_k = torch.zeros(sq, dtype=torch.long), torch.zeros(sk, dtype=torch.long)
+
+    def unpadded(q, k, v):
+        with sdpa_kernel(SDPBackend.MATH):
+            return causal_attention(q, k, v, SCALE)
+
+    _check(unpadded, lambda q, k, v: reference_attention(q, k, v, q_pos, k_pos, zeros_q, zeros_k, SCALE),
+           [q, k, v])
+    assert seen == [16]

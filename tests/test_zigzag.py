@@ -182,3 +182,24 @@ def test_cli_refuses_an_indivisible_seq_length_unless_padding():
         parse_args(["--context-parallel-size", "2", "--seq-length", "1001"])
     assert parse_args(["--context-parallel-size", "2", "--seq-length", "1001",
                        "--pad-to-multiple"]).seq_length == 1001
+
+
+def test_device_index_tensors_are_copied_once_without_a_sync():
+    """The per-layer / per-loss index tensors on a device (meta stands for a GPU here): one
+    non-blocking copy per plan and device, the same tensor for every later layer, equal to
+    the host plan."""
+    from megatron_composer.parallel.cp_shift import device_shift_plan
+    from megatron_composer.platform.syncs import count_host_syncs
+
+    layout, meta = ZigzagLayout((8, 16), 2), torch.device("meta")
+    with count_host_syncs(meta) as syncs:
+        first = [layout.positions(1, meta), layout.unzigzag_index(meta), layout.local_indices(0, meta)]
+        again = [layout.positions(1, meta), layout.unzigzag_index(meta), layout.local_indices(0, meta)]
+        plans = [device_shift_plan(layout, 1, 2, meta) for _ in range(2)]
+    assert syncs.total == 0, str(syncs)
+    assert all(a is b for a, b in zip(first, again)) and plans[0] is plans[1]
+    assert all(t.device.type == "meta" for t in first + [plans[0].heads, plans[0].source, plans[0].valid])
+    assert [t.shape for t in first] == [layout.positions(1).shape, layout.unzigzag_index().shape,
+                                        layout.local_indices(0).shape]
+    cpu = torch.device("cpu")
+    assert torch.equal(layout.positions(1, cpu), layout.positions(1))

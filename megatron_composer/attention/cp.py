@@ -42,7 +42,7 @@ from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from ..parallel.collectives import all_gather_single, reduce_scatter_single
 from ..parallel import Segment, ZigzagLayout
 from .core import MLACoreAttention
-from .kernels import causal_attention, pad_value
+from .kernels import causal_attention, sdpa_backend, value_for
 
 
 # ------------------------------------------------------------ collectives
@@ -114,7 +114,8 @@ def attend_segments(query, key, value, segments: list[Segment], softmax_scale: f
         [s_local, b, n * dv] (packed: [t_local, n * dv]).
     """
     dv = value.shape[-1]
-    value = pad_value(value, query.shape[-1])  # once, not per overlapping key range
+    # once, not per overlapping key range
+    value = value_for(sdpa_backend(query.device, query.dtype), value, query.shape[-1])
     outs = []
     for seg in segments:
         q, k, v = query[seg.q_start:seg.q_end], key[seg.k_start:seg.k_end], value[seg.k_start:seg.k_end]
@@ -179,7 +180,7 @@ class ContextParallelMLASelfAttention(MLASelfAttention):
         else:
             table, mscale = self.rotary_pos_emb(longest, packed_seq=True)
         # packed_seq=True: the whole table, without megatron's own CP slicing.
-        return table.index_select(0, layout.positions(rank).to(table.device)), mscale
+        return table.index_select(0, layout.positions(rank, table.device)), mscale
 
     def _rope(self, x, freqs, mscale):
         return apply_rotary_pos_emb(x, freqs, config=self.config, cu_seqlens=None, mscale=mscale,
@@ -236,7 +237,7 @@ class ContextParallelMLASelfAttention(MLASelfAttention):
         query = _maybe_checkpoint(checkpoints, query_up, q_compressed)
 
         # 4. full latents in global order, K/V up-projection
-        full = pending.wait().index_select(0, layout.unzigzag_index().to(latent.device))
+        full = pending.wait().index_select(0, layout.unzigzag_index(latent.device))
         key, value = _maybe_checkpoint(checkpoints, self._kv_up_proj, full)
         # megatron-core's MLA forward discards the up-projected tensors after core
         # attention and recomputes them when the core attention's gradient arrives.

@@ -7,7 +7,8 @@ Two operations cover every attention call of the model:
   whole sequence is the case sq == sk; a zigzag CP segment is sq < sk.
 - `packed_causal_attention`: packed "thd" documents, causal within each.
 
-Neither builds an [sq, sk] mask. `select_kernel` is the dispatch table:
+Neither builds an [sq, sk] mask. `select_kernel` is the dispatch table (V is
+padded to the key head size for the flash kernels only: `pads_value`):
 
 | operation                  | CPU                         | CUDA fp16 / bf16          | CUDA fp32                  |
 |----------------------------|-----------------------------|---------------------------|----------------------------|
@@ -18,10 +19,17 @@ Neither builds an [sq, sk] mask. `select_kernel` is the dispatch table:
 
 Why each:
 - MLA's key head size (qk_head_dim + qk_pos_emb_head_dim) differs from its
-  value head size. Flash kernels (CPU's and CUDA's, `varlen_attn` included)
-  need equal head sizes, so V is zero-padded to the key head size and the
-  padding is cut from the output: exact (the padded output columns are zero and
-  get zero gradient), at the cost of a padded V copy.
+  value head size. `pads_value` decides per backend, from torch's own checks
+  (sdp_utils): flash kernels (CPU's, CUDA's FA2, and `varlen_attn`, which runs
+  FA2) need one head size for q, k and v, so V is zero-padded to the key head
+  size and the padding is cut from the output: exact (the padded output columns
+  are zero and get zero gradient), at the cost of a padded V copy. CUDA's
+  memory-efficient kernel (what fp32 runs) takes V at its own head size when
+  both sizes are multiples of its GEMM alignment, so V is not padded there.
+  cuDNN's kernel takes unequal sizes too (192/128 on Hopper from cuDNN 9.10),
+  but only on a [b, s, h, d] layout that MLA's [s, b, h, d] tensors are not,
+  and unpadded bf16 V would steer SDPA from flash to the slower
+  memory-efficient kernel: bf16 keeps flash and the padding.
 - CUDA, sq < sk: `torch.nn.attention.bias.causal_lower_right` makes SDPA call
   the flash kernel with its native bottom-right causal mask, or the
   memory-efficient kernel with its bottom-right mask type (fp32). No mask is
@@ -65,6 +73,9 @@ except ImportError:  # torch releases before torch.nn.attention.varlen
 
 KERNELS = ("sdpa_causal", "sdpa_lower_right", "sdpa_zero_query_prefix", "varlen_flash",
            "sdpa_per_document")
+BACKENDS = ("cpu_flash", "cuda_flash", "cuda_efficient", "varlen_flash")
+# CUDA memory-efficient kernel: head sizes must be multiples of this (sm80+, tensor cores).
+EFFICIENT_ALIGNMENT = {torch.float32: 4, torch.float16: 8, torch.bfloat16: 8}
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 # Every fused CUDA backend; leaving out MATH means no [sq, sk] scores are materialized.
 _CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
@@ -86,6 +97,37 @@ def select_kernel(op: str, device: torch.device, dtype: torch.dtype, sq: int = 0
             return "varlen_flash"
         return "sdpa_per_document"
     raise ValueError(f"unknown attention op {op!r}; choose 'causal' or 'packed'")
+
+
+def sdpa_backend(device: torch.device, dtype: torch.dtype) -> str:
+    """The fused backend SDPA runs our causal attention on: CPU flash; on CUDA flash
+    for fp16/bf16 (V padded to the key head size) and memory-efficient for fp32."""
+    if torch.device(device).type != "cuda":
+        return "cpu_flash"
+    return "cuda_flash" if dtype in FLASH_DTYPES else "cuda_efficient"
+
+
+def pads_value(backend: str, dk: int, dv: int, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether `backend` (one of `BACKENDS`) needs V zero-padded from head size `dv` to `dk`."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+    if dv > dk:
+        raise ValueError(f"value head size {dv} exceeds the query/key head size {dk}; "
+                         "MLA needs v_head_dim <= qk_head_dim + qk_pos_emb_head_dim")
+    if dv == dk:
+        return False
+    if backend == "cuda_efficient":
+        # unequal sizes are native; padding helps only an unaligned V next to an aligned K
+        align = EFFICIENT_ALIGNMENT.get(dtype, 8)
+        return dv % align != 0 and dk % align == 0
+    return True  # flash kernels: one head size for q, k and v
+
+
+def value_for(backend: str, value: torch.Tensor, dk: int) -> torch.Tensor:
+    """V as `backend` takes it: zero-padded to `dk` if `pads_value` says so, else as is."""
+    if pads_value(backend, dk, value.shape[-1], value.dtype):
+        return pad_value(value, dk)
+    return value
 
 
 def _sdpa(query, key, value, **kwargs):
@@ -120,7 +162,7 @@ def causal_attention(query, key, value, softmax_scale: Optional[float]):
     if sk < sq:
         raise ValueError(f"causal_attention needs at least as many keys as queries, got sq={sq} "
                          f"sk={sk}; pass the query block's whole causal key range")
-    value = pad_value(value, dk)
+    value = value_for(sdpa_backend(query.device, query.dtype), value, dk)
     kernel = select_kernel("causal", query.device, query.dtype, sq, sk)
     if kernel == "sdpa_causal":
         out = _sdpa(query, key, value, is_causal=True, scale=softmax_scale)
@@ -157,14 +199,15 @@ def _varlen_packed(query, key, value, cu_seqlens, max_seqlen, softmax_scale):
     kwargs, q_scale = _varlen_kwargs(softmax_scale, dk)
     if q_scale != 1.0:
         query = query * q_scale
-    out = varlen_attn(query, key, pad_value(value, dk), cu, cu, int(max_seqlen), int(max_seqlen),
-                      **kwargs)
+    value = value_for("varlen_flash", value, dk)
+    out = varlen_attn(query, key, value, cu, cu, int(max_seqlen), int(max_seqlen), **kwargs)
     return out[..., :dv]
 
 
 def _per_document(query, key, value, cu_seqlens, softmax_scale):
     dv = value.shape[-1]
-    value = pad_value(value, query.shape[-1])  # once for all documents
+    # once for all documents
+    value = value_for(sdpa_backend(query.device, query.dtype), value, query.shape[-1])
     bounds = cu_seqlens.tolist()
     outs = []
     for start, end in zip(bounds[:-1], bounds[1:]):

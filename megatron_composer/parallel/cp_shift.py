@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import all_gather_single
-from .zigzag import ZigzagLayout
+from .zigzag import ZigzagLayout, on_device
 
 
 def shift_left(x: torch.Tensor, shift: int, fill) -> torch.Tensor:
@@ -79,6 +79,14 @@ def shift_plan(layout: ZigzagLayout, rank: int, shift: int) -> ShiftPlan:
     return ShiftPlan(heads, source, valid)
 
 
+@lru_cache(maxsize=64)
+def device_shift_plan(layout: ZigzagLayout, rank: int, shift: int, device: torch.device) -> ShiftPlan:
+    """`shift_plan` on `device`, copied once per plan and device (every loss of every
+    micro-batch asks for it)."""
+    plan = shift_plan(layout, rank, shift)
+    return ShiftPlan(*(on_device(t, torch.device(device)) for t in (plan.heads, plan.source, plan.valid)))
+
+
 def cp_shift_left(x: torch.Tensor, shift: int, fill, layout: ZigzagLayout, rank: int,
                   group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """`shift_left` of the *global* sequence, for a rank-local zigzag tensor.
@@ -93,13 +101,13 @@ def cp_shift_left(x: torch.Tensor, shift: int, fill, layout: ZigzagLayout, rank:
     Returns:
         [b, local_length, ...], `fill` where t + shift leaves the document.
     """
-    plan = shift_plan(layout, rank, shift)
+    plan = device_shift_plan(layout, rank, shift, x.device)
     with torch.no_grad():
-        heads = x.index_select(1, plan.heads.to(x.device)).movedim(1, 0).contiguous()  # [k, b, ...]
+        heads = x.index_select(1, plan.heads).movedim(1, 0).contiguous()  # [k, b, ...]
         gathered = torch.empty((layout.cp_size * heads.shape[0], *heads.shape[1:]),
                                dtype=heads.dtype, device=heads.device)
         all_gather_single(gathered, heads, group=group)
         pool = torch.cat([x, gathered.movedim(0, 1)], dim=1)
-        out = pool.index_select(1, plan.source.to(x.device))
-        mask = (~plan.valid).to(x.device).view(1, -1, *([1] * (x.dim() - 2)))
+        out = pool.index_select(1, plan.source)
+        mask = (~plan.valid).view(1, -1, *([1] * (x.dim() - 2)))
         return out.masked_fill(mask, fill)

@@ -11,7 +11,9 @@ batch are [doc0 chunk i, doc0 chunk 2CP-1-i, doc1 chunk i, ...] and the
 (`_roll_tensor_packed_seq`, `_get_thd_freqs_on_this_cp_rank`) assumes.
 
 This module is the index math: pure functions of lengths and tensors,
-tested against hand-computed indices in tests/test_zigzag.py. Applying it
+tested against hand-computed indices in tests/test_zigzag.py. The index
+tensors are cached per layout on the host and, once copied, per device, so
+the layers of a step reuse them without a copy (`on_device`). Applying it
 to a micro-batch is `zigzag_batch.py`; the cross-rank label shift is
 `cp_shift.py`.
 `ZigzagLayout(scheme="contiguous")` is the naive split (rank i holds chunks
@@ -159,20 +161,29 @@ class ZigzagLayout:
                 return rank, pair.index(chunk)
         raise ValueError(f"chunk {chunk} is outside 2*cp={2 * self.cp_size} chunks")
 
-    def local_indices(self, rank: int) -> torch.Tensor:
-        """[local_length] int64: global token index of each of `rank`'s local tokens."""
+    def local_indices(self, rank: int, device=None) -> torch.Tensor:
+        """[local_length] int64: global token index of each of `rank`'s local tokens
+        (a host copy; with `device`, the cached, read-only tensor there: see `on_device`)."""
+        if device is not None:
+            return _cached_on_device(_local_indices, (self, rank), torch.device(device))
         return _local_indices(self, rank).clone()
 
-    def positions(self, rank: int) -> torch.Tensor:
-        """[local_length] int64: position of each local token within its document (RoPE)."""
+    def positions(self, rank: int, device=None) -> torch.Tensor:
+        """[local_length] int64: position of each local token within its document (RoPE)
+        (a host copy; with `device`, the cached, read-only tensor there)."""
+        if device is not None:
+            return _cached_on_device(_positions, (self, rank), torch.device(device))
         return _positions(self, rank).clone()
 
     def gather_order(self) -> torch.Tensor:
         """[total_length]: global index of each row of a rank-major all-gather of local tokens."""
         return torch.cat([_local_indices(self, r) for r in range(self.cp_size)])
 
-    def unzigzag_index(self) -> torch.Tensor:
-        """[total_length]: `gathered.index_select(0, this)` puts an all-gather in global order."""
+    def unzigzag_index(self, device=None) -> torch.Tensor:
+        """[total_length]: `gathered.index_select(0, this)` puts an all-gather in global order
+        (a host copy; with `device`, the cached, read-only tensor there)."""
+        if device is not None:
+            return _cached_on_device(_unzigzag_index, (self,), torch.device(device))
         return _unzigzag_index(self).clone()
 
     def query_segments(self, rank: int) -> list[Segment]:
@@ -222,6 +233,26 @@ def _unzigzag_index(layout: ZigzagLayout) -> torch.Tensor:
     return torch.argsort(layout.gather_order())
 
 
+def on_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor copied to `device` without waiting for the device.
+
+    To a GPU the copy goes from pinned memory with `non_blocking`, so it queues
+    behind the running kernels (a pageable copy makes the host wait for them);
+    for the CPU it is `host` itself.
+    """
+    if device.type == "cpu":
+        return host
+    source = host.pin_memory() if device.type == "cuda" else host
+    return source.to(device, non_blocking=True)
+
+
+@lru_cache(maxsize=256)
+def _cached_on_device(plan, args: tuple, device: torch.device) -> torch.Tensor:
+    """`plan(*args)` (a cached host index tensor) on `device`, copied once per plan and device:
+    attention and the loss shift ask for it every layer and every micro-batch."""
+    return on_device(plan(*args), device)
+
+
 # --------------------------------------------------------------- tensors
 
 
@@ -233,10 +264,10 @@ def zigzag_split(x: torch.Tensor, layout: ZigzagLayout, rank: int, dim: int = 1)
     Returns:
         [..., local_length, ...], tokens in local (zigzag) order.
     """
-    return x.index_select(dim, _local_indices(layout, rank).to(x.device))
+    return x.index_select(dim, layout.local_indices(rank, x.device))
 
 
 def zigzag_merge(parts: Sequence[torch.Tensor], layout: ZigzagLayout, dim: int = 1) -> torch.Tensor:
     """Inverse of `zigzag_split`: the per-rank tensors (rank order) back in global order."""
     merged = torch.cat(list(parts), dim=dim)
-    return merged.index_select(dim, _unzigzag_index(layout).to(merged.device))
+    return merged.index_select(dim, layout.unzigzag_index(merged.device))
