@@ -131,3 +131,44 @@ def test_a_missing_optional_module_is_reported_and_a_gpu_module_still_fails(tmp_
     assert re.search(r"SKIPPED \[1\] test_optional.py: not collected: it needs not_installed_anywhere_pkg", out), out
     code, out = pytest_run("-m", "not gpu", "test_optional.py")
     assert code != 0 and "ERROR collecting test_optional.py" in out, out  # the CPU suite keeps the import error
+
+
+def test_cpu_reference_process_keeps_the_inherited_pythonpath():
+    from tests.test_gpu_training import reference_env
+
+    site = "/tmp/mc-site.abc123"  # where tools/gpu_check.sh installs the wheels
+    env = reference_env({"PYTHONPATH": f"{site}:/work/repo", "RANK": "3", "HOME": "/root"})
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(REPO), site, "/work/repo"]
+    assert env["CUDA_VISIBLE_DEVICES"] == "" and "RANK" not in env and env["HOME"] == "/root"
+    assert reference_env({})["PYTHONPATH"] == str(REPO)
+
+
+def test_parity_gemms_skip_transformer_engine_and_tf32(monkeypatch):
+    """Where TE imports, megatron-core's router GEMM calls TE (TF32 for fp32 inputs); inside
+    `fp32_gemms` it is torch.mm in fp32, and both switches come back afterwards."""
+    import torch
+    from megatron.core.transformer.moe import moe_utils
+
+    from tests.test_gpu_training import fp32_gemms
+
+    calls = []
+
+    def te_gemm(weight, inp, dtype, **kwargs):  # what TE returns: a tuple, the output first
+        calls.append(kwargs["layout"])
+        return (torch.zeros(inp.shape[0], weight.shape[0], dtype=dtype),)
+
+    monkeypatch.setattr(moe_utils, "te_general_gemm", te_gemm, raising=False)
+    x, w = torch.randn(6, 8, generator=torch.Generator().manual_seed(0)), torch.randn(4, 8)
+    moe_utils.router_gating_linear(x, w, None, torch.float32)
+    assert calls == ["TN"]  # the fake stands in for TE here
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        with fp32_gemms():
+            assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+            logits = moe_utils.router_gating_linear(x, w, None, torch.float32)
+        assert torch.backends.cuda.matmul.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+    assert calls == ["TN"] and torch.equal(logits, x @ w.t())
+    assert moe_utils.te_general_gemm is te_gemm
