@@ -16,7 +16,6 @@ import pytest
 from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parents[1]
-GPU_CHECK = REPO / "tools" / "gpu_check.sh"
 
 HIDE_SITE_PACKAGES = '''
 import os, site, sys
@@ -49,10 +48,9 @@ sys.meta_path[:] = [Hidden(f) if hasattr(f, "find_spec") else f for f in sys.met
 
 
 def gpu_check_distributions() -> set[str]:
-    """The distributions `tools/gpu_check.sh` installs (its `module:distribution` pairs)."""
-    text = GPU_CHECK.read_text()
-    pairs = re.findall(r"\b[\w.]+:([A-Za-z][\w.-]*?)(?:==[\w.]+)?(?=\s|\\|;)", text.split("install_missing()", 1)[1])
-    return {Requirement(p).name.lower() for p in pairs}
+    """The distributions `tools/gpu_check.sh` installs: tools/gpu_wheels.txt's second column."""
+    lines = (REPO / "tools" / "gpu_wheels.txt").read_text().splitlines()
+    return {Requirement(line.split()[1]).name.lower() for line in lines if line.strip() and not line.startswith("#")}
 
 
 def requirement_closure(roots) -> set[str]:
@@ -307,3 +305,84 @@ def test_cpu_check_run_prints_each_run():
     assert [line.split(":")[1].strip() for line in lines] == [
         "ours local", "megatron-core GPTModel local", "ratio ours local / megatron-core GPTModel local"], run.stdout
     assert all("FAILED" not in line and "MFU n/a" in line for line in lines[:2]), lines
+
+
+FAKE_PYTHON = r'''#!/usr/bin/env bash
+# stands in for the GPU machine's python: canned outputs, FAKE_RUN=ok|failing
+case "$*" in
+    "-c import "*) exit 0 ;;
+    "-c "*) echo "NVIDIA H200 torch 2.11.0 CUDA 12.9" ;;
+    "-m megatron_composer.platform.doctor") echo "status              ok" ;;
+    "-m pytest -m gpu "*)
+        echo "SKIPPED [1] tests/test_server.py: not collected: it needs httpx, which is not installed"
+        if [ "$FAKE_RUN" = ok ]; then echo "41 passed, 11 skipped, 856 deselected in 98.76s (0:01:38)"; exit 0; fi
+        echo "2 failed, 39 passed, 11 skipped, 856 deselected, 1 error in 101.20s (0:01:41)"; exit 1 ;;
+    "-m pytest -q -s -p no:cacheprovider tests/test_host_syncs.py")
+        echo "..host syncs per step: 3 (grad norm 1, finite flag 1, loss values 1)"; echo "9 passed in 20.1s" ;;
+    "benchmarks/gpu_step.py --steps 8")
+        echo "GPU NVIDIA H200, dense bf16 peak 989 TFLOP/s"
+        echo "gpu_step: ours local: 21000 tokens/s, 195.0 ms/step, MFU 13.8%, peak memory 30.10 GiB, lm loss 10.4 -> 10.1"
+        if [ "$FAKE_RUN" = ok ]; then
+            echo "gpu_step: megatron-core GPTModel local: 20000 tokens/s, 204.8 ms/step, MFU 13.2%, peak memory 35.00 GiB, lm loss 10.4 -> 10.2"
+        else
+            echo "gpu_step: megatron-core GPTModel local: FAILED NameError: name 'te_general_gemm' is not defined"; exit 1
+        fi ;;
+    "benchmarks/quant.py --device cuda") echo "quantizers ok" ;;
+    *) echo "fake python: unexpected arguments: $*"; exit 2 ;;
+esac
+'''
+
+
+def run_gpu_check(tmp_path, fake_run, **env_vars):
+    """tools/gpu_check.sh in a copy of the repository's layout, with the fake python."""
+    root = tmp_path / fake_run
+    (root / "tools").mkdir(parents=True)
+    (root / "tests").mkdir()
+    for name in ("gpu_check.sh", "gpu_wheels.txt"):
+        (root / "tools" / name).write_text((REPO / "tools" / name).read_text())
+    (root / "tests" / "test_host_syncs.py").write_text("")
+    python = tmp_path / "python"
+    python.write_text(FAKE_PYTHON)
+    python.chmod(0o755)
+    env = dict(os.environ, PYTHON=str(python), OUT=str(root / "out"), FAKE_RUN=fake_run,
+               PATH="/usr/bin:/bin", **env_vars)  # no nvidia-smi
+    run = subprocess.run(["bash", str(root / "tools" / "gpu_check.sh")], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=60)
+    return run.returncode, run.stdout.strip().splitlines()
+
+
+def test_gpu_check_ends_with_one_summary_line(tmp_path):
+    code, lines = run_gpu_check(tmp_path, "ok")
+    assert code == 0, lines
+    assert re.fullmatch(
+        r"gpu check ok in \d+ s \| tests: 41 passed, 0 failed, 11 skipped \| "
+        r"host syncs per step: 3 \(grad norm 1, finite flag 1, loss values 1\) \| "
+        r"ours local: 21000 tokens/s, 195\.0 ms/step, MFU 13\.8%, peak memory 30\.10 GiB, lm loss 10\.4 -> 10\.1; "
+        r"megatron-core GPTModel local: 20000 tokens/s, 204\.8 ms/step, MFU 13\.2%, peak memory 35\.00 GiB, "
+        r"lm loss 10\.4 -> 10\.2", lines[-1]), lines[-1]
+    assert "  tests/test_server.py: not collected" not in lines  # listed as pytest printed it:
+    assert "  SKIPPED [1] tests/test_server.py: not collected: it needs httpx, which is not installed" in lines
+
+
+def test_gpu_check_summary_names_the_failed_steps_and_keeps_every_result(tmp_path):
+    code, lines = run_gpu_check(tmp_path, "failing")
+    assert code == 1, lines
+    assert re.fullmatch(
+        r"gpu check FAILED \(pytest-gpu, bench-gpu-step\) in \d+ s \| tests: 39 passed, 2 failed, 11 skipped, "
+        r"1 error \| host syncs per step: 3 \(grad norm 1, finite flag 1, loss values 1\) \| "
+        r"ours local: 21000 tokens/s, .*; megatron-core GPTModel local: FAILED NameError: "
+        r"name 'te_general_gemm' is not defined", lines[-1]), lines[-1]
+    assert "  bench-quant: ok" in lines  # the steps after a failure still ran
+
+
+def test_gpu_check_runs_no_step_past_its_budget(tmp_path):
+    code, lines = run_gpu_check(tmp_path, "ok", GPU_CHECK_BUDGET_S="5")
+    assert code == 1 and "  install: not run (budget spent)" in lines, lines
+    assert re.fullmatch(r"gpu check FAILED \(install, no gpu test passed\) in \d+ s \| tests: no pytest result \| "
+                        r"host syncs per step: not measured \| no benchmark result", lines[-1]), lines[-1]
+
+
+def test_gpu_check_scripts_parse():
+    for script in ("gpu_check.sh", "fetch_gpu_wheels.sh"):
+        run = subprocess.run(["bash", "-n", str(REPO / "tools" / script)], capture_output=True, text=True)
+        assert run.returncode == 0, (script, run.stderr)
