@@ -1,9 +1,15 @@
-"""The GPU check's CPU-checkable parts: `pytest -m gpu` collects on a machine that has only
-torch and the wheels `tools/gpu_check.sh` installs, and the GPU tests' own host-side decisions.
+"""The GPU check's CPU-checkable parts.
 
-The "fresh GPU machine" is simulated by a `sitecustomize` that hides every top-level module
-installed in site-packages except those of torch's own requirements and of the distributions
-`tools/gpu_check.sh` installs: exactly what that machine has.
+* `pytest -m gpu` collects on a machine that has only torch and the wheels `tools/gpu_check.sh`
+  installs, simulated by a `sitecustomize` that hides every top-level module in site-packages
+  except those of torch's requirements and of tools/gpu_wheels.txt; the modules left out are
+  reported, and a module with GPU tests that cannot import stays an error.
+* test_gpu_training's host-side choices: the CPU reference process keeps the inherited
+  PYTHONPATH, and the fp32 parity keeps megatron-core's router GEMM off Transformer Engine
+  (whose GEMM computes fp32 with TF32).
+* benchmarks/gpu_step.py: the peak table, MFU, the result line, the runs and their layers, the
+  run-by-run printing that goes on after a failure, megatron-core accepting the TE baseline.
+* tools/gpu_check.sh with a stand-in interpreter: the one closing summary line and the budget.
 """
 import importlib.metadata
 import os
