@@ -49,6 +49,11 @@ sys.meta_path[:] = [Hidden(f) if hasattr(f, "find_spec") else f for f in sys.met
 '''
 
 
+def pytest_free_environ() -> dict:
+    """This environment without what a pytest-xdist worker sets: a pytest started from here is its own run."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST_")}
+
+
 def gpu_check_distributions() -> set[str]:
     """The distributions `tools/gpu_check.sh` installs: tools/gpu_wheels.txt's second column."""
     lines = (REPO / "tools" / "gpu_wheels.txt").read_text().splitlines()
@@ -92,7 +97,7 @@ def test_gpu_suite_collects_with_only_torch_and_the_carried_wheels(tmp_path):
     (tmp_path / "sitecustomize.py").write_text(HIDE_SITE_PACKAGES)
     keep = fresh_gpu_machine_modules()
     assert {"torch", "megatron", "pytest", "numpy"} <= keep and not {"hypothesis", "httpx", "ray"} & keep
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]),
+    env = dict(pytest_free_environ(), PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]),
                KEEP_MODULES=",".join(sorted(keep)), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
     run = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "--collect-only", "-q", "-rs",
                           "-p", "no:cacheprovider"], cwd=REPO, env=env, capture_output=True, text=True,
@@ -120,7 +125,7 @@ HALF_INSTALLED = {
 def test_a_missing_optional_module_is_reported_and_a_gpu_module_still_fails(tmp_path):
     for name, text in HALF_INSTALLED.items():
         (tmp_path / name).write_text(text)
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(pytest_free_environ(), PYTHONPATH=str(REPO))
 
     def pytest_run(*args):
         run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *args],
