@@ -115,18 +115,19 @@ def _saved_after_one_step(save: str) -> dict:
 def reference(request_path: str, result_path: str) -> None:
     """The CPU side (in a process that sees no GPU): each case's outputs with the given
     weights; a 1-step checkpoint of the "mtp" case written to a new directory; and the
-    CUDA run's checkpoint resumed on CPU."""
+    CUDA run's checkpoint resumed on CPU. Every step in `fp32_gemms`: where TE imports, its GEMM
+    would otherwise be handed the router's CPU tensors."""
     request = torch.load(request_path, weights_only=False)
     results = {}
-    for case, weights in request["weights"].items():
-        tr = _trainer(case)
-        _load_weights(tr, weights)
-        with fp32_gemms():
+    with fp32_gemms():
+        for case, weights in request["weights"].items():
+            tr = _trainer(case)
+            _load_weights(tr, weights)
             results[case] = _outputs(tr)
-    results["cpu_checkpoint_weights"] = _saved_after_one_step(request["cpu_checkpoint"])
-    tr, notes = _resumed(request["cuda_checkpoint"])
-    results["cuda_checkpoint_on_cpu"] = {"iteration": tr.state.iteration, "weights": _weights(tr),
-                                         "notes": notes, "skipped": tr.step().skipped}
+        results["cpu_checkpoint_weights"] = _saved_after_one_step(request["cpu_checkpoint"])
+        tr, notes = _resumed(request["cuda_checkpoint"])
+        results["cuda_checkpoint_on_cpu"] = {"iteration": tr.state.iteration, "weights": _weights(tr),
+                                             "notes": notes, "skipped": tr.step().skipped}
     torch.save(results, result_path)
 
 
