@@ -1,5 +1,6 @@
 import importlib.util
 import os
+import re
 
 import pytest
 import torch
@@ -13,6 +14,48 @@ def _has_transformer_engine() -> bool:
 
 def pytest_configure(config):
     split_cores()
+
+
+# Modules of this repository: a missing one is a bug, never an optional dependency.
+OUR_MODULES = ("megatron_composer", "tests", "benchmarks", "megatron", "torch")
+
+
+def _selects_gpu_suite(config) -> bool:
+    """`-m gpu` (or an expression that asks for `gpu`, not `not gpu`): the GPU suite."""
+    return re.search(r"(?<!not )\bgpu\b", config.getoption("markexpr") or "") is not None
+
+
+def _missing_optional_module(collector) -> str | None:
+    """The package whose absence keeps this test module from importing, if it is an optional
+    one (installed nowhere on this machine, not ours); None when the module imports or fails
+    for any other reason."""
+    try:
+        collector.obj
+    except collector.CollectError as error:
+        cause = error.__cause__
+        if isinstance(cause, ModuleNotFoundError) and cause.name:
+            top = cause.name.partition(".")[0]
+            if top not in OUR_MODULES and importlib.util.find_spec(top) is None:
+                return top
+    except (Exception, pytest.skip.Exception, pytest.fail.Exception):
+        pass  # pytest's own collection imports it again and reports what it raises
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_make_collect_report(collector):
+    """Running the GPU suite on a machine with torch and the wheels `tools/gpu_check.sh` installs,
+    a test module without GPU tests whose optional dependency (hypothesis, httpx, schemathesis, ...)
+    is missing is reported as skipped, naming that dependency, instead of stopping the collection.
+    A module with GPU tests still fails: its tests must run there."""
+    if not (isinstance(collector, pytest.Module) and _selects_gpu_suite(collector.config)):
+        return None
+    missing = _missing_optional_module(collector)
+    if missing is None or "mark.gpu" in collector.path.read_text():
+        return None  # the default report: collected, or the import error itself
+    reason = (f"not collected: it needs {missing}, which is not installed (no GPU tests in it; "
+              f"pip install -e '.[test]' runs it)")
+    return pytest.CollectReport(collector.nodeid, "skipped", (str(collector.path), None, reason), [])
 
 
 def pytest_collection_modifyitems(config, items):

@@ -6,7 +6,10 @@
   (--reset-attention-mask, "thd" cu_seqlens). The CPU side is the verified
   CPU path itself, run in a subprocess that sees no GPU (`reference` below),
   so it is an independent implementation of the same step (gloo, the CPU
-  shims, the CPU attention kernels). TF32 is off on the CUDA side.
+  shims, the CPU attention kernels). Both sides build the `local` layers and
+  run every fp32 GEMM in fp32 (`fp32_gemms`): TF32 off, and megatron-core's
+  router GEMM on torch.mm rather than Transformer Engine's, which computes
+  fp32 inputs with TF32 whatever torch's flags say.
 * 20 --bf16 steps on CUDA track fp32 on CUDA (lm loss within 2% at every step).
 * save at step 2 and resume to step 4 on CUDA gives the uninterrupted run's
   losses bit for bit, with the CUDA generator and megatron's RNG tracker
@@ -14,6 +17,7 @@
 
 Needs CUDA (`make test-gpu`); the whole file runs in well under 2 minutes on one GPU.
 """
+import contextlib
 import dataclasses
 import os
 import subprocess
@@ -111,17 +115,19 @@ def _saved_after_one_step(save: str) -> dict:
 def reference(request_path: str, result_path: str) -> None:
     """The CPU side (in a process that sees no GPU): each case's outputs with the given
     weights; a 1-step checkpoint of the "mtp" case written to a new directory; and the
-    CUDA run's checkpoint resumed on CPU."""
+    CUDA run's checkpoint resumed on CPU. Every step in `fp32_gemms`: where TE imports, its GEMM
+    would otherwise be handed the router's CPU tensors."""
     request = torch.load(request_path, weights_only=False)
     results = {}
-    for case, weights in request["weights"].items():
-        tr = _trainer(case)
-        _load_weights(tr, weights)
-        results[case] = _outputs(tr)
-    results["cpu_checkpoint_weights"] = _saved_after_one_step(request["cpu_checkpoint"])
-    tr, notes = _resumed(request["cuda_checkpoint"])
-    results["cuda_checkpoint_on_cpu"] = {"iteration": tr.state.iteration, "weights": _weights(tr),
-                                         "notes": notes, "skipped": tr.step().skipped}
+    with fp32_gemms():
+        for case, weights in request["weights"].items():
+            tr = _trainer(case)
+            _load_weights(tr, weights)
+            results[case] = _outputs(tr)
+        results["cpu_checkpoint_weights"] = _saved_after_one_step(request["cpu_checkpoint"])
+        tr, notes = _resumed(request["cuda_checkpoint"])
+        results["cuda_checkpoint_on_cpu"] = {"iteration": tr.state.iteration, "weights": _weights(tr),
+                                             "notes": notes, "skipped": tr.step().skipped}
     torch.save(results, result_path)
 
 
@@ -129,21 +135,45 @@ def _run_reference(tmp_path, weights) -> dict:
     request, result = tmp_path / "request.pt", tmp_path / "result.pt"
     torch.save({"weights": weights, "cpu_checkpoint": str(tmp_path / "cpu_ckpt"),
                 "cuda_checkpoint": str(tmp_path / "cuda_ckpt")}, request)
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO), OMP_NUM_THREADS="8")
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
-        env.pop(name, None)
     run = subprocess.run([sys.executable, "-m", "tests.test_gpu_training", str(request), str(result)],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+                         cwd=REPO, env=reference_env(os.environ), capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
     return torch.load(result, weights_only=False)
 
 
-@pytest.fixture
-def exact_fp32():
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+def reference_env(environ) -> dict:
+    """The CPU reference process's environment: no GPU visible, no launcher's rank variables, this
+    repository first on PYTHONPATH, followed by the inherited PYTHONPATH (where `tools/gpu_check.sh`
+    puts the packages it installs)."""
+    env = dict(environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="8")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), environ.get("PYTHONPATH")) if p)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
+        env.pop(name, None)
+    return env
+
+
+@contextlib.contextmanager
+def fp32_gemms():
+    """Every fp32 GEMM in fp32: torch's TF32 switches off, and megatron-core's router gating GEMM
+    on its torch.mm path. megatron-core routes that GEMM through Transformer Engine's
+    `general_gemm` whenever TE imports, whatever the layers are built from, and TE's cuBLASLt
+    GEMM picks CUBLAS_COMPUTE_32F_FAST_TF32 for fp32 inputs without consulting torch's flags:
+    a 10-bit mantissa, far beyond the parity's 1e-4."""
+    from megatron.core.transformer.moe import moe_utils
+
+    absent = object()
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+             getattr(moe_utils, "te_general_gemm", absent))
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+    moe_utils.te_general_gemm = None
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, te_gemm = saved
+        if te_gemm is absent:
+            del moe_utils.te_general_gemm
+        else:
+            moe_utils.te_general_gemm = te_gemm
 
 
 def _close(got, want, what):
@@ -151,15 +181,17 @@ def _close(got, want, what):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * max(scale, 1e-6), msg=what)
 
 
-def test_cuda_fp32_equals_cpu_fp32_and_cpu_checkpoints_load(tmp_path, exact_fp32):
+def test_cuda_fp32_equals_cpu_fp32_and_cpu_checkpoints_load(tmp_path):
     weights, outputs = {}, {}
     for case in CASES:  # one Trainer at a time: each rebuilds megatron-core's parallel state
         tr = _trainer(case)
+        assert tr.cfg.transformer.transformer_impl == "local", "the CPU side cannot build TE layers"
         gpt = tr.model.gpt
         placed = list(gpt.parameters()) + list(gpt.buffers()) + [p.main_grad for p in tr.model.params]
         assert all(t.device == tr.device and t.device.type == "cuda" for t in placed), case
         weights[case] = _weights(tr)
-        outputs[case] = _outputs(tr)
+        with fp32_gemms():
+            outputs[case] = _outputs(tr)
     cuda_checkpoint_weights = _saved_after_one_step(str(tmp_path / "cuda_ckpt"))
     ref = _run_reference(tmp_path, weights)
     for case, got in outputs.items():
