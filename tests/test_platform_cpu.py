@@ -125,3 +125,22 @@ def test_torch_compile_runs_eagerly_on_cpu():
 
     f(torch.ones(2)), f(torch.ones(2))
     assert len(calls) == 2
+
+
+def test_router_gemm_takes_torch_mm_on_cpu_even_where_te_imports(monkeypatch):
+    """A CPU run on a machine with Transformer Engine: megatron's router would hand TE's CUDA-only
+    GEMM CPU tensors; the shim sends it to megatron's own torch.mm path."""
+    from megatron.core.transformer.moe import moe_utils
+
+    def te_gemm(*args, **kwargs):
+        raise RuntimeError("TE's GEMM takes CUDA tensors only")
+
+    monkeypatch.setattr(moe_utils, "te_general_gemm", te_gemm, raising=False)
+    inp, weight = torch.randn(5, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(RuntimeError, match="CUDA tensors only"):
+        moe_utils.router_gating_linear(inp, weight, None, torch.float32)
+    cpu._shim_router_gemm_torch()
+    out = moe_utils.router_gating_linear(inp, weight, None, torch.float32)
+    out.sum().backward()
+    torch.testing.assert_close(out, inp @ weight.T, rtol=0, atol=0)
+    torch.testing.assert_close(inp.grad, torch.ones(5, 4) @ weight, rtol=0, atol=0)

@@ -16,6 +16,7 @@ source of truth: `SHIMS` is built from it and `apply_cpu_shims` walks it.
 | tensor_cuda | `Tensor.cuda()` / `Tensor.to("cuda")` on small bookkeeping tensors | CUDA absent | stays on CPU |
 | device_cuda_literal | `torch.zeros/empty/ones/tensor/arange(..., device="cuda")` | CUDA absent | allocates on CPU |
 | alltoall_splits | `moe_utils.maybe_move_tensor_to_cpu` gives the alltoall dispatcher its split sizes | gloo `all_to_all_single` needs Python ints, not a tensor | converts the split tensor to a list |
+| router_gemm_torch | `moe_utils.RouterGatingLinearFunction` calls TE's `te_general_gemm` whenever TE imports | TE's GEMM takes CUDA tensors only (a CPU run on a machine with TE, e.g. `CUDA_VISIBLE_DEVICES=`) | `te_general_gemm = None`: megatron's own torch.mm path |
 | torch_compile | `torch.compile` on megatron helpers (e.g. `TopKRouter._apply_expert_bias`) | compiles with the C++ toolchain on first use, ~5 CPU-seconds per process, no gain at CPU sizes | dynamo disabled (eager, same results); `MEGATRON_COMPOSER_CPU_COMPILE=1` keeps it |
 
 megatron-core's defects without Transformer Engine (the router's
@@ -208,6 +209,12 @@ def _shim_alltoall_splits():
         token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
 
 
+def _shim_router_gemm_torch():
+    from megatron.core.transformer.moe import moe_utils
+
+    moe_utils.te_general_gemm = None
+
+
 def _shim_torch_compile():
     import os
 
@@ -226,6 +233,7 @@ SHIMS: tuple[Shim, ...] = (
     Shim("tensor_cuda", _shim_tensor_cuda),
     Shim("device_cuda_literal", _shim_device_cuda_literal),
     Shim("alltoall_splits", _shim_alltoall_splits),
+    Shim("router_gemm_torch", _shim_router_gemm_torch),
     Shim("torch_compile", _shim_torch_compile),
 )
 
