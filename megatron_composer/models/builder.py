@@ -78,7 +78,7 @@ from ..config.training import RecomputeConfig, TransformerImplConfig
 from ..moe import grouped_experts_spec, quantized_dispatch_spec, quantized_experts_spec
 from ..parallel.layout import ParallelLayout
 from .tensor_parallel import SequenceParallelRMSNorm, TensorParallelMLASelfAttention
-from .recompute import recomputed_mtp_spec
+from .mtp import composer_mtp_spec
 from .te_spec import check_te_choices, require_transformer_engine, te_layer_spec, te_quant_recipe
 
 
@@ -285,15 +285,13 @@ def composer_block_spec(tconfig: MLATransformerConfig, moe_expert_precision: str
 
 
 def mtp_block_spec(tconfig: MLATransformerConfig, block):
-    """megatron-core's MTP block spec (DeepSeek-V3's) around the last decoder layer's spec
-    (`models.recompute.RecomputedMTPLayer` layers under full recompute)."""
+    """megatron-core's MTP block spec (DeepSeek-V3's) around the last decoder layer's spec, with
+    `models.mtp.ComposerMTPLayer` layers (sync-free packed roll, full recompute of packed batches)."""
     te = tconfig.transformer_impl == "transformer_engine"
     spec = get_gpt_mtp_block_spec(tconfig, block, use_transformer_engine=te)
-    if tconfig.recompute_granularity == "full":
-        # Copied first: with one MTP layer the list holds megatron-core's shared spec object.
-        spec.layer_specs = [dataclasses.replace(layer) for layer in spec.layer_specs]
-        spec = recomputed_mtp_spec(spec)
-    return spec
+    # Copied first: with one MTP layer the list holds megatron-core's shared spec object.
+    spec.layer_specs = [dataclasses.replace(layer) for layer in spec.layer_specs]
+    return composer_mtp_spec(spec)
 
 
 _SEQUENCE_PARALLEL_LOCAL = {WrappedTorchNorm: SequenceParallelRMSNorm,
