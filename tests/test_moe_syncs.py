@@ -285,3 +285,29 @@ def test_moe_layer_syncs_once_per_forward_at_ep2():
     for forward, backward in results:
         assert [f.split(" at ")[0] for f in forward] == ["Event.synchronize"], forward
         assert backward == [], backward
+
+
+# ------------------------------------------------------------------ CUDA
+@pytest.mark.gpu
+@pytest.mark.parametrize("fusion", [False, True], ids=["unfused", "fused-swiglu"])
+def test_moe_layer_makes_no_host_sync_on_cuda(monkeypatch, fusion):
+    """The real thing: torch's sync debug mode raises on any synchronizing CUDA call
+    (blocking copies, item, nonzero, ...), and event waits are counted, over a bf16
+    forward + backward of the MoE layer at a training size."""
+    _setup()
+    layer = _moe_layer(torch.bfloat16, bias_activation_fusion=fusion).cuda()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(4096, 1, TINY.hidden_size, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    grad = torch.randn(x.shape, device="cuda", dtype=torch.bfloat16, generator=g)
+    for _ in range(2):  # compile the jit-fused functions, create cuBLAS handles
+        layer(x)[0].backward(grad)
+    torch.cuda.synchronize()
+    waits = []
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", lambda self: waits.append(self))
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out, _ = layer(x)
+        out.backward(grad)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert waits == []
