@@ -202,3 +202,145 @@ def test_model_with_grouped_experts_equals_megatron_s(ep):
     assert len(counts) == ep * (TINY.num_moe_layers + TINY.mtp_num_layers)
     assert all(len(c) == TINY.num_experts // ep for c in counts)
     assert any(0 in c for c in counts)  # the zero-token case was exercised
+
+
+# ------------------------------------------------------------------ packed expert weights
+def _weights(experts):
+    return ([e.linear_fc1.weight for e in experts.local_experts], [e.linear_fc2.weight for e in experts.local_experts])
+
+
+def _forward_allocations(experts, counts, shapes):
+    """Shapes among `shapes` that some aten op of the experts' forward returns."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    seen = []
+
+    class Outputs(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            seen.extend(tuple(t.shape) for t in tree_flatten(out)[0]
+                        if isinstance(t, torch.Tensor) and tuple(t.shape) in shapes and func.overloadpacket
+                        is not torch.ops.aten.as_strided)
+            return out
+
+    x = torch.randn(sum(counts), TINY.hidden_size)
+    with Outputs():
+        experts(x, torch.tensor(counts), torch.rand(sum(counts)))
+    return seen
+
+
+def test_expert_weights_are_read_in_place_not_stacked():
+    """Each linear's expert weights are rows of one [E, out, in] tensor; the forward
+    materializes no [E, out, in] copy (megatron's per-expert names stay)."""
+    _, ours = _experts_pair()
+    w1, w2 = _weights(ours)
+    shapes = {(TINY.num_experts, *w1[0].shape), (TINY.num_experts, *w2[0].shape)}
+    assert _forward_allocations(ours, [5, 0, 9, 1, 3, 7, 2, 4], shapes) == []
+    assert "local_experts.7.linear_fc2.weight" in dict(ours.named_parameters())
+    from megatron_composer.moe import packed_view
+
+    for weights in (w1, w2):
+        stacked = packed_view(weights)
+        assert stacked is not None and stacked.data_ptr() == weights[0].data_ptr()
+        assert torch.equal(stacked, torch.stack([w.detach() for w in weights]))
+
+
+def test_packed_and_stacked_weights_give_identical_results():
+    """Bit for bit: reading the packed rows in place equals stacking copies (the path
+    taken when something has moved the parameters' storage)."""
+    from megatron_composer.moe import packed_view
+
+    _, ours = _experts_pair()
+    counts = (5, 0, 9, 1, 3, 7, 2, 4)
+    packed_out, packed_grads = _run(ours, counts)
+    for weights in _weights(ours):
+        for w in weights:
+            w.data = w.data.clone()  # own storages: no longer rows of one tensor
+        assert packed_view(weights) is None
+    stacked_out, stacked_grads = _run(ours, counts)
+    assert torch.equal(packed_out, stacked_out)
+    for name in packed_grads:
+        assert torch.equal(packed_grads[name], stacked_grads[name]), name
+
+
+def test_checkpoint_with_per_expert_keys_loads_into_packed_weights():
+    """A state dict under megatron's per-expert keys (what checkpoints hold) loads into the
+    packed weights in place, and the experts then compute what megatron's do."""
+    from megatron_composer.moe import packed_view
+
+    megatron, ours = _experts_pair()
+    with torch.no_grad():
+        for p in megatron.parameters():
+            p.normal_()
+    saved = megatron.state_dict()
+    assert "local_experts.3.linear_fc1.weight" in saved and saved.keys() == ours.state_dict().keys()
+    ptrs = [w[0].data_ptr() for w in _weights(ours)]
+    ours.load_state_dict(saved)
+    assert [w[0].data_ptr() for w in _weights(ours)] == ptrs
+    assert all(packed_view(w) is not None for w in _weights(ours))
+    for name, value in ours.state_dict().items():
+        assert value is saved[name] is None or torch.equal(value, saved[name]), name
+    ref_out, _ = _run(megatron, (4, 0, 2, 6, 1, 0, 3, 2))
+    out, _ = _run(ours, (4, 0, 2, 6, 1, 0, 3, 2))
+    _assert_close(out, ref_out, "output")
+
+
+def test_dtype_conversion_keeps_the_weights_packed():
+    from megatron_composer.moe import packed_view
+
+    _, ours = _experts_pair()
+    before = {n: p.detach().clone() for n, p in ours.named_parameters()}
+    ours.to(torch.bfloat16)
+    assert all(packed_view(w) is not None for w in _weights(ours))
+    for name, p in ours.named_parameters():
+        assert p.dtype == torch.bfloat16 and torch.equal(p, before[name].to(torch.bfloat16)), name
+
+
+# ------------------------------------------------------------------ fused SwiGLU
+def _fused_pair(dtype=torch.float32):
+    """(megatron SequentialMLP, ours), both with bias_activation_fusion, same weights."""
+    from megatron_composer.moe import GroupedSequentialMLP as Grouped
+
+    megatron, ours = _experts_pair(dtype, bias_activation_fusion=True)
+    assert type(ours) is Grouped and ours.config.bias_activation_fusion
+    return megatron, ours
+
+
+def test_fused_swiglu_experts_equal_megatron_s_fused_experts():
+    """With bias_activation_fusion both run megatron's weighted SwiGLU; on CPU it runs eagerly."""
+    megatron, ours = _fused_pair()
+    counts = (5, 0, 9, 1, 3, 7, 2, 4)
+    ref_out, ref_grads = _run(megatron, counts)
+    out, grads = _run(ours, counts)
+    _assert_close(out, ref_out, "output")
+    for name in grads:
+        _assert_close(grads[name], ref_grads[name], name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_swiglu_equals_the_unfused_activation(dtype):
+    """The fused weighted SwiGLU against our unfused path on the same weights: the forward is
+    the same ops in the same order (bitwise), and so are the probs' and fc2's gradients; the
+    gradients through the SiLU use megatron's closed-form derivative, with its products in
+    another order: equal to rounding (relative norm 1e-6 in fp32, 1e-2 in bf16, whose
+    epsilon is 7.8e-3)."""
+    _, fused = _fused_pair(dtype)
+    _, plain = _experts_pair(dtype)
+    plain.load_state_dict(fused.state_dict())
+    counts = (5, 0, 9, 1, 3, 7, 2, 4)
+    out, grads = _run(fused, counts, dtype)
+    ref_out, ref_grads = _run(plain, counts, dtype)
+    assert torch.equal(out, ref_out)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    for name in grads:
+        if name == "probs" or name.endswith("linear_fc2.weight"):
+            assert torch.equal(grads[name], ref_grads[name]), name
+        else:
+            err = (grads[name].double() - ref_grads[name].double()).norm()
+            assert err <= tol * ref_grads[name].double().norm(), (name, float(err))
+
+
+def test_fused_swiglu_refuses_what_it_does_not_compute():
+    with pytest.raises(ValueError, match="activation_func_clamp_value.*7.0.*bias_activation_fusion off"):
+        _experts_pair(bias_activation_fusion=True, activation_func_clamp_value=7.0)

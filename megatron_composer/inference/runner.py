@@ -61,6 +61,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
+from ..moe import DeviceCountsAlltoAllTokenDispatcher, DeviceCountsMoELayer
 from ..parallel.wrappers import unwrap
 
 
@@ -197,7 +198,8 @@ class ModelRunner:
     def _dispatch_free(mlp) -> bool:
         """Whether `_moe` computes this MLP exactly: a megatron-core MoELayer with every expert local and
         the alltoall dispatcher without token dropping, padding, fused permutation or a latent projection."""
-        if type(mlp) is not MoELayer or type(mlp.token_dispatcher) is not MoEAlltoAllTokenDispatcher:
+        if (type(mlp) not in (MoELayer, DeviceCountsMoELayer) or type(mlp.token_dispatcher)
+                not in (MoEAlltoAllTokenDispatcher, DeviceCountsAlltoAllTokenDispatcher)):
             return False
         cfg = mlp.config
         return (mlp.num_local_experts == cfg.num_moe_experts and not mlp.shared_expert_overlap

@@ -110,7 +110,7 @@ def te_layer_spec(spec: ModuleSpec, expert_precision: str) -> None:
     attention.linear_q_up_proj, attention.q_layernorm = TEColumnParallelLinear, TENorm
     attention.linear_kv_up_proj, attention.kv_layernorm = TEColumnParallelLinear, TENorm
     mlp = layer.mlp
-    if mlp.module is MoELayer:
+    if issubclass(mlp.module, MoELayer):
         if expert_precision != "bf16":
             # Our quantized experts multiply local-spec linears through quant.quantized_linear.
             mlp.submodules.experts = ModuleSpec(

@@ -3,9 +3,11 @@
 `grouped`: SequentialMLP running all local experts with one grouped GEMM per
 linear, in the model's dtype (the default experts). `experts`: SequentialMLP
 whose expert GEMMs run through `quant.quantized_linear` (`--moe-expert-precision`).
-`dispatcher`: the alltoall dispatcher with an MXFP8 dispatch payload
-(`--moe-dispatch-precision`).
+`alltoall`: megatron's alltoall dispatcher without host syncs when every
+expert is local (the default MoE layer). `dispatcher`: that dispatcher with an
+MXFP8 dispatch payload (`--moe-dispatch-precision`).
 """
+from .alltoall import DeviceCountsAlltoAllTokenDispatcher, DeviceCountsMoELayer, permute_by_expert
 from .dispatcher import (
     DISPATCH_PRECISIONS,
     MXFP8AllToAll,
@@ -23,10 +25,20 @@ from .experts import (
     check_expert_precision,
     quantized_experts_spec,
 )
-from .grouped import GroupedLinear, GroupedSequentialMLP, grouped_experts_spec, grouped_linear
+from .grouped import (
+    GroupedLinear,
+    GroupedSequentialMLP,
+    check_fused_swiglu,
+    grouped_experts_spec,
+    grouped_linear,
+    pack_weights,
+    packed_view,
+)
 
 __all__ = [
     "DISPATCH_PRECISIONS",
+    "DeviceCountsAlltoAllTokenDispatcher",
+    "DeviceCountsMoELayer",
     "EXPERT_PRECISIONS",
     "GroupedLinear",
     "GroupedSequentialMLP",
@@ -38,9 +50,13 @@ __all__ = [
     "QuantizedSequentialMLP",
     "check_dispatch_hidden_size",
     "check_expert_precision",
+    "check_fused_swiglu",
     "grouped_experts_spec",
     "grouped_linear",
     "mxfp8_all_to_all",
+    "pack_weights",
+    "packed_view",
+    "permute_by_expert",
     "quantized_dispatch_spec",
     "quantized_experts_spec",
 ]

@@ -3,8 +3,10 @@
 Composer sends the MoE dispatch payload in MXFP8 and combines in BF16
 (README "Low precision"): the dispatch carries 1 + 1/32 bytes per hidden
 element instead of 2. megatron-core 0.16.1's `MoEAlltoAllTokenDispatcher`
-sends the hidden states as they are; we subclass it and override only
-`token_dispatch`, the step that calls `all_to_all` on the permuted tokens:
+sends the hidden states as they are; we subclass it (through
+`moe.alltoall.DeviceCountsAlltoAllTokenDispatcher`, its sync-free form) and
+override only `token_dispatch`, the step that calls `all_to_all` on the
+permuted tokens:
 
     sender:   q = quantize_mxfp8(tokens)            tokens [T_send, hidden]
               all_to_all(q.data)   [T_send, hidden]        uint8 E4M3
@@ -31,22 +33,20 @@ On CUDA the quantize and dequantize are the Triton kernels (`quant/ops.py`,
 bit-identical to the torch reference used elsewhere); neither syncs with the
 host.
 
-megatron-core picks the dispatcher class from `config.moe_token_dispatcher_type`
-inside `MoELayer.__init__`, with no spec hook, so the spec selects
-`MXFP8DispatchMoELayer`, a MoELayer that swaps in this dispatcher right after
-its own constructor. The layer has no extra parameters or state.
+The spec selects `MXFP8DispatchMoELayer`, a `DeviceCountsMoELayer` (a
+MoELayer that swaps in its dispatcher right after its own constructor) with
+this dispatcher. The layer has no extra parameters or state.
 """
 from __future__ import annotations
 
 import torch
 from megatron.core.tensor_parallel import all_to_all
 from megatron.core.transformer.moe.moe_layer import MoELayer
-from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
-from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from ..quant.formats import MXFP8_BLOCK, MXFP8Tensor
 from ..quant.ops import dequantize_mxfp8, quantize_mxfp8
+from .alltoall import DeviceCountsAlltoAllTokenDispatcher, DeviceCountsMoELayer
 
 DISPATCH_PRECISIONS = ("bf16", "mxfp8")
 
@@ -94,8 +94,8 @@ def mxfp8_all_to_all(group, tokens: torch.Tensor, output_splits=None, input_spli
     return MXFP8AllToAll.apply(group, tokens, output_splits, input_splits)
 
 
-class MXFP8AlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
-    """megatron's alltoall dispatcher with the token all_to_all in MXFP8."""
+class MXFP8AlltoAllTokenDispatcher(DeviceCountsAlltoAllTokenDispatcher):
+    """megatron's alltoall dispatcher (sync-free form) with the token all_to_all in MXFP8."""
 
     def __init__(self, num_local_experts, local_expert_indices, config, pg_collection=None):
         check_dispatch_hidden_size(config.moe_latent_size or config.hidden_size)
@@ -118,8 +118,10 @@ class MXFP8AlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         return global_input_tokens, global_probs
 
 
-class MXFP8DispatchMoELayer(MoELayer):
-    """megatron's MoELayer with `MXFP8AlltoAllTokenDispatcher` (MoELayer has no dispatcher spec hook)."""
+class MXFP8DispatchMoELayer(DeviceCountsMoELayer):
+    """megatron's MoELayer with `MXFP8AlltoAllTokenDispatcher`."""
+
+    dispatcher = MXFP8AlltoAllTokenDispatcher
 
     def __init__(self, config, submodules=None, layer_number=None, pg_collection=None):
         if config.moe_token_dispatcher_type != "alltoall":
@@ -128,19 +130,13 @@ class MXFP8DispatchMoELayer(MoELayer):
                 f"moe_token_dispatcher_type {config.moe_token_dispatcher_type!r}; use 'alltoall'"
             )
         check_dispatch_hidden_size(config.moe_latent_size or config.hidden_size)
-        if pg_collection is None:  # as MoELayer does
-            pg_collection = get_default_pg_collection()
         super().__init__(config, submodules, layer_number=layer_number, pg_collection=pg_collection)
-        dispatcher = MXFP8AlltoAllTokenDispatcher(
-            self.num_local_experts, self.local_expert_indices, config=self.config, pg_collection=pg_collection
-        )
-        if self.use_shared_expert and self.shared_expert_overlap:
-            dispatcher.set_shared_experts(self.shared_experts)
-        self.token_dispatcher = dispatcher
 
 
 def quantized_dispatch_spec(moe_layer: ModuleSpec, precision: str, pg_collection=None) -> ModuleSpec:
-    """The MoE layer spec with its dispatch payload in `precision` ("bf16": unchanged).
+    """megatron's MoELayer spec with our alltoall dispatcher, its payload in `precision`:
+    "bf16" megatron's payload (`DeviceCountsMoELayer`), "mxfp8" `MXFP8DispatchMoELayer`.
+    Any other MoE layer spec is returned unchanged for "bf16".
 
     TransformerLayer hands `pg_collection` only to the MoE classes it knows
     (and logs "Unknown MLP type ... Using default kwargs" for ours), so an
@@ -149,13 +145,13 @@ def quantized_dispatch_spec(moe_layer: ModuleSpec, precision: str, pg_collection
     """
     if precision not in DISPATCH_PRECISIONS:
         raise ValueError(f"--moe-dispatch-precision {precision!r} is not supported; use one of {DISPATCH_PRECISIONS}")
-    if precision == "bf16":
-        return moe_layer
     if moe_layer.module is not MoELayer:
+        if precision == "bf16":
+            return moe_layer
         raise ValueError(f"--moe-dispatch-precision {precision} replaces megatron's MoELayer, got "
                          f"{moe_layer.module.__name__}")
     params = dict(moe_layer.params)
     if pg_collection is not None:
         params["pg_collection"] = pg_collection
-    return ModuleSpec(module=MXFP8DispatchMoELayer, params=params,
-                      submodules=moe_layer.submodules, metainfo=moe_layer.metainfo)
+    module = DeviceCountsMoELayer if precision == "bf16" else MXFP8DispatchMoELayer
+    return ModuleSpec(module=module, params=params, submodules=moe_layer.submodules, metainfo=moe_layer.metainfo)

@@ -18,9 +18,11 @@ recompute, whose working set the plan counts generously). Per layer, with T toke
   products (5 ffn; 3 ffn on CUDA, where megatron-core fuses bias-SwiGLU);
 * MoE: the router's fp32 scores and probabilities and its index tensors,
   then per routed token (T x top-k) the permuted input and the experts' 5 ffn,
-  and, in the local spec, the stacked expert weights the grouped GEMM saves
-  (local experts x 3 x hidden x ffn, per MoE layer; Transformer Engine's
-  grouped GEMM saves none);
+  and, in the local spec under HSDP, the stacked expert weights the grouped
+  GEMM saves (local experts x 3 x hidden x ffn, per MoE layer: FSDP2 gathers
+  each expert's weights into its own tensor, which the experts stack; under
+  DDP they are rows of one packed tensor, saved as a view, and Transformer
+  Engine's grouped GEMM saves none);
 * under CP: the gathered KV latents, K and the padded V for the whole
   sequence (each rank up-projects K/V for all tokens; `attention.cp`).
 
@@ -132,7 +134,7 @@ def _moe_bytes(c: ModelConfig, x: ActivationSetup) -> tuple[int, int]:
     if c.moe_shared_expert_intermediate_size and not x.recomputes("shared_experts"):
         shared = _swiglu_bytes(c.moe_shared_expert_intermediate_size, T, x)
     stacked = 0
-    if x.transformer_impl == "local":
+    if x.transformer_impl == "local" and x.sharding == "hsdp":  # moe.grouped: packed under DDP
         stacked = (E // x.ep) * 3 * h * c.moe_ffn_hidden_size * a
     if x.recomputes("moe"):
         return 0, 0
