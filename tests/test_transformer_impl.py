@@ -306,18 +306,17 @@ def test_te_layer_spec_unfuses_norms_and_plugs_in_our_experts():
 def test_cuda_fusions_table():
     from megatron_composer.models.builder import cuda_fusions
 
-    assert not any(cuda_fusions("local", 1, "yarn", False, on_cuda=False).values())
-    assert not any(cuda_fusions("transformer_engine", 1, "rope", False, on_cuda=False).values())
-    local = cuda_fusions("local", 1, "rope", grouped_local_experts=False, on_cuda=True)
+    assert not any(cuda_fusions("local", 1, "yarn", on_cuda=False).values())
+    assert not any(cuda_fusions("transformer_engine", 1, "rope", on_cuda=False).values())
+    local = cuda_fusions("local", 1, "rope", on_cuda=True)
     assert local["bias_activation_fusion"] and local["bias_dropout_fusion"]
     assert not local["apply_rope_fusion"] and not local["moe_permute_fusion"]  # both TE kernels here
-    assert not cuda_fusions("local", 1, "rope", grouped_local_experts=True, on_cuda=True)["bias_activation_fusion"]
-    te = cuda_fusions("transformer_engine", 1, "rope", False, on_cuda=True)
+    te = cuda_fusions("transformer_engine", 1, "rope", on_cuda=True)
     # megatron-core fuses MLA's RoPE only for YaRN (its Triton kernel), with or without TE
     assert not te["apply_rope_fusion"] and te["moe_permute_fusion"]
-    assert cuda_fusions("transformer_engine", 1, "yarn", False, on_cuda=True)["apply_rope_fusion"]
-    assert not cuda_fusions("transformer_engine", 2, "yarn", False, on_cuda=True)["apply_rope_fusion"]
-    assert not cuda_fusions("transformer_engine", 1, "rope", False, "mxfp8", on_cuda=True)["moe_permute_fusion"]
+    assert cuda_fusions("transformer_engine", 1, "yarn", on_cuda=True)["apply_rope_fusion"]
+    assert not cuda_fusions("transformer_engine", 2, "yarn", on_cuda=True)["apply_rope_fusion"]
+    assert not cuda_fusions("transformer_engine", 1, "rope", "mxfp8", on_cuda=True)["moe_permute_fusion"]
     for off in ("masked_softmax_fusion", "persist_layer_norm", "gradient_accumulation_fusion"):
         assert not te[off] and not local[off]
 
@@ -514,7 +513,7 @@ def test_cuda_fusions_keep_the_local_model_close(yarn):
     outs = []
     for on in (False, True):
         layout = _init_parallel()
-        fusions = cuda_fusions("local", 1, "yarn" if yarn else "rope", True, on_cuda=on)
+        fusions = cuda_fusions("local", 1, "yarn" if yarn else "rope", on_cuda=on)
         assert fusions["apply_rope_fusion"] == (on and yarn)
         model = build_model(cfg, layout, seq_length=64, **fusions).cuda()
         assert model.config.bias_dropout_fusion == on

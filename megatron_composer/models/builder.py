@@ -37,7 +37,7 @@ over DP only).
 Fusions (`cuda_fusions`), all off on CPU, where the plain paths are exact:
 
     fusion                        on CUDA            needs
-    bias_activation_fusion        yes (*)            nothing: megatron's jit-fused SwiGLU
+    bias_activation_fusion        yes                nothing: megatron's jit-fused (weighted) SwiGLU
     bias_dropout_fusion           yes                nothing: jit-fused bias-dropout-add
     apply_rope_fusion             yarn, CP = 1 (**)  Triton: megatron's fused MLA YaRN RoPE (plain RoPE has
                                                      none for MLA; megatron-core refuses the flag)
@@ -47,8 +47,6 @@ Fusions (`cuda_fusions`), all off on CPU, where the plain paths are exact:
     gradient_accumulation_fusion  no                 Apex for the local linears (the output layer is
                                                      local in both specs) and megatron DDP's main_grad
 
-(*) not with our grouped bf16 experts (`GroupedSequentialMLP` runs megatron's
-unfused activation and refuses the flag), i.e. local impl + MoE + bf16 experts.
 (**) under CP our attention applies RoPE itself, through megatron-core's
 unfused path. moe_router_fusion (TE's fused top-k) stays off: the recipe's
 group-limited routing with expert bias is checked against the unfused router.
@@ -82,7 +80,7 @@ from .mtp import composer_mtp_spec
 from .te_spec import check_te_choices, require_transformer_engine, te_layer_spec, te_quant_recipe
 
 
-def cuda_fusions(transformer_impl: str, context_parallel: int, rope_type: str, grouped_local_experts: bool,
+def cuda_fusions(transformer_impl: str, context_parallel: int, rope_type: str,
                  dispatch_precision: str = "bf16", on_cuda: Optional[bool] = None) -> dict:
     """megatron-core's fusion switches for this build (the table in the module docstring)."""
     on_cuda = torch.cuda.is_available() if on_cuda is None else on_cuda
@@ -90,7 +88,7 @@ def cuda_fusions(transformer_impl: str, context_parallel: int, rope_type: str, g
     # MLA's only fused RoPE is megatron's Triton YaRN kernel, whatever the layer implementation.
     rope_fusion = context_parallel == 1 and rope_type == "yarn" and _have_triton()
     return dict(
-        bias_activation_fusion=on_cuda and not grouped_local_experts,
+        bias_activation_fusion=on_cuda,
         bias_dropout_fusion=on_cuda,
         apply_rope_fusion=on_cuda and rope_fusion,
         moe_permute_fusion=on_cuda and te and dispatch_precision == "bf16",
@@ -200,7 +198,6 @@ def transformer_config(
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         **cuda_fusions(impl.transformer_impl, layout.cp, "yarn" if yarn else "rope",
-                       grouped_local_experts=moe and not te and moe_expert_precision == "bf16" and grouped_experts,
                        dispatch_precision=moe_dispatch_precision),
         transformer_impl=impl.transformer_impl,
         **_precision_kwargs(impl, recompute, moe_expert_precision),

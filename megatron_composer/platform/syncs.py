@@ -77,6 +77,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import cpu as cpu_shims
 
 _aten = torch.ops.aten
+# torch.tensor itself, also where the CPU shims have wrapped the name `torch.tensor`
+_TENSOR_FROM_DATA = torch._C._VariableFunctions.tensor
 
 # level 1: reads of a tensor's values on the host
 _READS = {
@@ -270,7 +272,7 @@ class _FunctionLevel(TorchFunctionMode):
             if not crossing or non_blocking:
                 return None
             return "Tensor.to(host to device)" if c.is_host(args[0]) else "Tensor.to(device to host)"
-        if func is torch.tensor:
+        if func is _TENSOR_FROM_DATA:
             target = kwargs.get("device")
             if target is not None and torch.device(target).type == c.device.type \
                     and not (c.stand_in and _names_host(target)):
