@@ -5,7 +5,9 @@ makes the host wait for the device on a GPU (`.item()`, `.tolist()`, `.cpu()`,
 `bool(tensor)`, ...), with the model's forward and backward left out: what is
 counted is the trainer's and the optimizer's part of `Trainer.update`.
 """
+import contextlib
 import math
+import warnings
 
 import pytest
 import torch
@@ -54,23 +56,26 @@ def _cpu_step_counters(tr) -> set[int]:
             for st in o.state.values() if "step" in st}
 
 
-def _count_update(tr, counter: HostReads):
-    """Run one `Trainer.update` under `counter`, the model's forward and backward paused."""
+def _count_update(tr, counter: HostReads, model_part=contextlib.nullcontext):
+    """Run one training step under `counter`, the model's forward and backward paused (and run
+    inside `model_part()`)."""
     forward_backward = tr.forward_backward
 
-    def model_part(*args):
+    def paused(*args):
         counter.paused += 1
         try:
-            return forward_backward(*args)
+            with model_part():
+                return forward_backward(*args)
         finally:
             counter.paused -= 1
 
-    tr.forward_backward = model_part
+    tr.forward_backward = paused
     batches = tr.micro_batches(tr.state.consumed_samples)
-    with counter:
-        result = tr.train_step(batches)
-    tr.forward_backward = forward_backward
-    return result
+    try:
+        with counter:
+            return tr.train_step(batches)
+    finally:
+        tr.forward_backward = forward_backward
 
 
 def test_an_update_makes_two_host_syncs_and_zeroes_the_gradient_buffer_once():
@@ -158,3 +163,29 @@ def test_fused_adamw_equals_foreach_on_cpu():
     for a, b, p0 in zip(out["fused"], out["foreach"], start):
         assert not torch.equal(a, p0)
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.gpu
+def test_an_update_on_cuda_makes_two_device_syncs_with_fused_adamw():
+    """On a GPU: the AdamW kernel is the fused one, and CUDA itself (`set_sync_debug_mode`)
+    reports at most two synchronizing calls in an update's trainer and optimizer part, the
+    same as the host reads counted."""
+    tr = make_trainer(UnevenDataset(), micro_batch_size=1, global_batch_size=4)
+    assert tr.device.type == "cuda" and tr.optimizer.optimizers[0].defaults["fused"]
+
+    @contextlib.contextmanager
+    def sync_debug(mode):
+        torch.cuda.set_sync_debug_mode(mode)
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(1 - mode)
+
+    for step in range(2):
+        counter = HostReads(lambda: _cpu_step_counters(tr))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with sync_debug(1):
+                _count_update(tr, counter, model_part=lambda: sync_debug(0))
+        syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+        assert len(counter.reads) <= 2 and len(syncs) <= 2, (step, counter.reads, syncs)
