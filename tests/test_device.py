@@ -181,9 +181,9 @@ def test_a_training_step_syncs_the_host_a_fixed_few_times(optimizer):
     with _HostSyncs() as syncs:
         result = tr.step()
     assert not result.skipped
-    # the grad norm (skip decision, clip factor), the finite-weights flag, the logged losses
-    assert len(syncs.sites) <= 3, syncs.sites
-    assert len(set(syncs.sites)) == len(syncs.sites), syncs.sites  # none of them in a loop
+    # the grad norm (skip decision, clip factor); the logged losses with the finite-weights flag.
+    # None of them in a loop: the model has more than 20 parameters.
+    assert len(syncs.sites) <= 2, syncs.sites
 
 
 # ---------------------------------------------------------------- device selection

@@ -238,6 +238,9 @@ class TrainingConfig:
     # data-parallel sharding
     data_parallel_sharding: str = "ddp"  # "ddp" | "hsdp"
     dense_shard_size: Optional[int] = None
+    # ddp: each gradient bucket's all-reduce starts in the backward (megatron-core's overlap_grad_reduce)
+    overlap_grad_reduce: bool = True
+    ddp_bucket_size: Optional[int] = None  # parameters per bucket; None: megatron's max(4e7, 1e6 x DP)
     # intervals and stop conditions
     log_interval: int = 1
     eval_interval: Optional[int] = None
@@ -264,6 +267,9 @@ class TrainingConfig:
             raise ValueError(f"--mtp-loss {self.mtp_loss!r}; use self-distill or ce")
         if self.data_parallel_sharding not in ("ddp", "hsdp"):
             raise ValueError(f"--data-parallel-sharding {self.data_parallel_sharding!r}; use ddp or hsdp")
+        if self.ddp_bucket_size is not None and self.ddp_bucket_size < 1:
+            raise ValueError(f"--ddp-bucket-size must be >= 1 parameter, got {self.ddp_bucket_size}; "
+                             "leave it out for megatron's default")
 
     def replace(self, **changes) -> "TrainingConfig":
         return dataclasses.replace(self, **changes)

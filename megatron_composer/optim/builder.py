@@ -9,9 +9,11 @@ training step has no branches on the optimizer or the precision:
 2. clipping to `--clip-grad` (foreach, in place on the fp32 gradients);
 3. the learning rate of the update (`set_lr(iteration)`, Megatron's
    warmup + decay schedule, applied to every param group);
-4. the update: AdamW (foreach) for everything, or Muon for the hidden
-   matrices (per head / per expert; ShardedMuon under FSDP2) + AdamW for
-   embeddings, output head, router, norms and biases;
+4. the update: AdamW for everything, or Muon for the hidden matrices (per
+   head / per expert; ShardedMuon under FSDP2) + AdamW for embeddings, output
+   head, router, norms and biases. AdamW is torch's fused kernel wherever
+   torch has one for the parameters' device (CUDA, and CPU in recent torch),
+   else the foreach implementation (`adamw_implementation`);
 5. with bf16 parameters under DDP, megatron-core's mixed-precision pattern:
    the optimizers update fp32 *main* copies of the parameters with the fp32
    gradient buffers and the bf16 model weights are copied from them (under
@@ -20,13 +22,22 @@ training step has no branches on the optimizer or the precision:
 
 `step()` returns Megatron-LM's `(success, grad_norm, num_zeros)` (num_zeros
 is not computed: None).
+
+Host syncs: the norm is read once (the skip decision and the clip factor
+need it on the host). The finite-weights flag of the update stays on the
+device until `check_finite(values)` reads it in one transfer with values the
+caller reads anyway (the trainer's logged losses), and raises before
+anything else happens to the weights; an update whose flag nobody read is
+checked with the next step's norm, before the next update is applied.
 """
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from ..checkpoint.state import load_name_keyed_optimizer_state, name_keyed_optimizer_state
 from ..config.training import OptimizerConfig
@@ -57,6 +68,7 @@ class ComposerOptimizer:
         self.names = names
         self.mixed_precision = any(o is not m for o, m in zip(opt_params, self.model_params))
         self._to_model = {id(o): m for o, m in zip(opt_params, self.model_params)}
+        self._unchecked: Optional[torch.Tensor] = None  # the last update's any-rank non-finite flag, unread
 
     # ---- torch.optim.Optimizer surface --------------------------------------
     @property
@@ -150,12 +162,11 @@ class ComposerOptimizer:
     def step(self) -> tuple[bool, float, None]:
         """Clip and apply the reduced gradients unless their norm is non-finite.
 
-        Returns (success, grad norm before clipping, None). Raises
-        `NonFiniteParametersError` if an applied update made a weight non-finite.
+        Returns (success, grad norm before clipping, None). The finite check of
+        the new weights is left on the device for `check_finite`.
         """
-        # host syncs of a step: this norm (the skip decision and the clip factor need it) and
-        # the finite-weights flag; everything else stays queued on the device
-        norm = self.model.grad_norm().item()
+        # the one host sync of a step here: the skip decision and the clip factor need the norm
+        (norm,) = self.check_finite(self.model.grad_norm().reshape(1))
         if not math.isfinite(norm):
             return False, norm, None
         grads = self.model.grads()
@@ -168,9 +179,26 @@ class ComposerOptimizer:
             o.step()
         for p in self.opt_params:
             p.grad = None
-        self._check_finite()
+        self._unchecked = self._any_rank_non_finite()
         self.copy_main_to_model()
         return True, norm, None
+
+    def check_finite(self, values: Optional[torch.Tensor] = None) -> list[float]:
+        """Read the last update's non-finite-weights flag, if not read yet, in one host
+        transfer with `values` (a 1-D tensor the caller reads anyway), and raise
+        `NonFiniteParametersError` naming this rank's non-finite weights if any rank has one.
+
+        Returns `values` on the host (as floats; [] for None)."""
+        flag, self._unchecked = self._unchecked, None
+        parts = [] if values is None else [values.double()]
+        if flag is not None:
+            parts.append(flag.reshape(1))
+        if not parts:
+            return []
+        host = torch.cat(parts).tolist()
+        if flag is not None and host.pop():
+            self._raise_non_finite()
+        return host
 
     def _non_finite_flags(self) -> torch.Tensor:
         """[trainable weights] bool on their device: True where a weight holds NaN/Inf."""
@@ -183,19 +211,20 @@ class ComposerOptimizer:
         """Names of this rank's trainable weights that hold NaN/Inf."""
         return [self.names[i] for i in torch.nonzero(self._non_finite_flags()).flatten().tolist()]
 
-    def _check_finite(self) -> None:
-        """One host sync: the any-rank flag; names are looked up only when it is set."""
-        flags = self._non_finite_flags()
-        flag = flags.any().float().reshape(1)
+    def _any_rank_non_finite(self) -> torch.Tensor:
+        """fp64 scalar on the device: 1 if a weight on any rank holds NaN/Inf (no host sync)."""
+        flag = self._non_finite_flags().any().double()
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank stops together
-        if flag.item():
-            bad = self.non_finite_parameters()
-            where = f"{len(bad)} tensors on this rank, first {bad[0]}" if bad else "on another rank"
-            raise NonFiniteParametersError(
-                f"the update made weights non-finite ({where}); nothing of it is saved. "
-                f"Check --lr {self.cfg.lr}, --adam-eps {self.cfg.adam_eps} (> 0) and --clip-grad "
-                f"{self.cfg.clip_grad}, then resume from the last checkpoint")
+        return flag
+
+    def _raise_non_finite(self):
+        bad = self.non_finite_parameters()
+        where = f"{len(bad)} tensors on this rank, first {bad[0]}" if bad else "on another rank"
+        raise NonFiniteParametersError(
+            f"the update made weights non-finite ({where}); nothing of it is saved. "
+            f"Check --lr {self.cfg.lr}, --adam-eps {self.cfg.adam_eps} (> 0) and --clip-grad "
+            f"{self.cfg.clip_grad}, then resume from the last checkpoint")
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
@@ -206,6 +235,15 @@ def _main_params(model, mixed_precision: bool) -> list:
     if not mixed_precision:
         return list(model.params)
     return [torch.nn.Parameter(p.detach().float(), requires_grad=True) for p in model.params]
+
+
+def adamw_implementation(device_type: str) -> dict:
+    """torch.optim.AdamW's implementation keyword for parameters on `device_type`: the fused
+    kernel (one launch per parameter group and dtype) where torch has one for that device,
+    else foreach. Fused and foreach differ by rounding only (about 1 ulp per step)."""
+    if device_type in _get_fused_kernels_supported_devices():
+        return {"fused": True}
+    return {"foreach": True}
 
 
 def build_optimizer(model, cfg: OptimizerConfig) -> ComposerOptimizer:
@@ -219,7 +257,8 @@ def build_optimizer(model, cfg: OptimizerConfig) -> ComposerOptimizer:
     mixed = any(p.dtype != torch.float32 for p in model.params)
     opt_params = _main_params(model, mixed)
     pairs = list(zip(names, opt_params))
-    adamw_kwargs = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps, foreach=True)
+    device_type = opt_params[0].device.type if opt_params else local_device().type
+    adamw_kwargs = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps, **adamw_implementation(device_type))
     if cfg.optimizer == "adam":
         optimizers = [torch.optim.AdamW(adamw_param_groups(pairs, cfg.weight_decay), **adamw_kwargs)]
     else:

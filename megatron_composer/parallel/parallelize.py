@@ -5,7 +5,15 @@ data-parallel sharding and returns a `ParallelModel` whose methods are the
 same for both kinds, so the training step never branches on the sharding:
 
 * `ddp`: megatron-core `DistributedDataParallel` (replicated weights, fp32
-  gradient buffers `main_grad`, all-reduced over DP x CP; experts over EDP);
+  gradient buffers `main_grad`, all-reduced over DP x CP; experts over EDP).
+  With `overlap_grad_reduce` (megatron's `overlap_grad_reduce`, on by
+  default) the buffers are split into buckets of about `bucket_size`
+  parameters and, in the last micro-batch's backward, each bucket's
+  all-reduce starts asynchronously as soon as all its gradients have been
+  accumulated; `finalize_grads` waits for them. The sums are the same
+  element-wise additions as one all-reduce after the backward. Every
+  trainable parameter must get a gradient in every update (megatron counts
+  them per bucket); the first update names those that do not;
 * `hsdp`: torch FSDP2 with dual meshes (`parallel.fsdp`): dense weights over a
   narrow (replicate, shard) mesh that includes the CP ranks, experts over the
   expert-data-parallel mesh. With bf16 compute the sharded parameters stay
@@ -30,7 +38,7 @@ skipped step moves no bias.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Optional
 
 import torch
@@ -85,9 +93,19 @@ class ParallelModel:
         for p in self.params:
             p.grad = None
 
+    def no_sync(self, accumulate_only: bool = True):
+        """Context for a micro-batch's backward: with `accumulate_only`, gradients accumulate
+        locally and no reduce starts (every micro-batch but an update's last). FSDP2 reduces
+        every micro-batch's gradients in its backward either way."""
+        if self.sharding == "ddp" and accumulate_only:
+            return self.module.no_sync()
+        return nullcontext()
+
     def finalize_grads(self) -> None:
-        """Reduce gradients over data-parallel replicas (FSDP2 did it in backward)."""
+        """Reduce gradients over data-parallel replicas, or wait for the reduces the backward
+        started (FSDP2 did it in backward)."""
         if self.sharding == "ddp":
+            _check_every_param_got_a_gradient(self.module)
             with _expert_bias_update_deferred(self.gpt):
                 finalize_model_grads([self.module])
 
@@ -138,6 +156,22 @@ class ParallelModel:
         return self.train(False)
 
 
+def _check_every_param_got_a_gradient(ddp) -> None:
+    """In its first update, megatron's overlapped reduce records how many gradients each bucket
+    receives and later starts a bucket's all-reduce when that count is reached: a parameter that
+    got none would stall that bucket from the second update on. Name them instead."""
+    first = [g for g in ddp.bucket_groups + ddp.expert_parallel_bucket_groups if g.is_first_batch]
+    if not ddp.ddp_config.overlap_grad_reduce or not first:
+        return
+    names = {p: n for n, p in ddp.module.named_parameters()}
+    missing = [names[p] for g in first for p in g.params if p not in g.per_param_grad_ready_counts]
+    if missing:
+        raise RuntimeError(
+            f"{len(missing)} trainable parameters got no gradient in this update (first: {missing[:3]}); "
+            "the overlapped gradient reduce needs every trainable parameter in the loss. Freeze them "
+            "(requires_grad=False) or turn the overlap off with --no-overlap-grad-reduce")
+
+
 def _local(grad: torch.Tensor) -> torch.Tensor:
     return grad.to_local() if hasattr(grad, "to_local") else grad
 
@@ -170,17 +204,22 @@ def _buckets(params, groups_of) -> list[tuple[list[int], list]]:
 
 
 def parallelize(gpt, layout: ParallelLayout, *, sharding: str = "ddp", dense_shard_size: Optional[int] = None,
-                bf16: bool = False) -> ParallelModel:
+                bf16: bool = False, overlap_grad_reduce: bool = True,
+                bucket_size: Optional[int] = None) -> ParallelModel:
     """Wrap a built GPTModel for data parallelism (megatron-core's parallel state
     for `layout` must be initialized).
 
     `bf16`: under ddp the model must already hold bf16 parameters (megatron's
     fp32 gradient buffers accumulate and reduce in fp32); under hsdp it holds
     fp32 parameters that FSDP2 casts to bf16 for compute.
+
+    `overlap_grad_reduce`, `bucket_size` (ddp only): megatron's; `bucket_size` None is
+    megatron's default, max(4e7, 1e6 x DP) parameters per bucket.
     """
     if sharding == "ddp":
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False)
+            grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce, bucket_size=bucket_size,
+            use_distributed_optimizer=False)
         module = DistributedDataParallel(config=gpt.config, ddp_config=ddp_config, module=gpt)
         groups_of = _ddp_norm_groups
     elif sharding == "hsdp":

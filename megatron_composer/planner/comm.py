@@ -14,8 +14,9 @@ derived from what the trainer runs:
   unsharded from its forward to its backward, except that the output
   layer, run once per head, is resharded after each head's backward and
   gathered again for the next (MTP depth times more);
-* DDP (megatron-core, `overlap_grad_reduce=False`): one fp32 all-reduce of
-  the gradient buffers per step, dense over DP x CP, experts over EDP;
+* DDP (megatron-core): the fp32 gradient buffers all-reduced once per step,
+  dense over DP x CP, experts over EDP (with `--overlap-grad-reduce` one
+  all-reduce per bucket, the same bytes);
 * EP all-to-all (megatron-core's alltoall dispatcher, per MoE layer and
   micro-batch): dispatch in MXFP8 (1 + 1/32 bytes per element) or the compute
   dtype, fp32 routing probabilities, combine in the compute dtype; backward

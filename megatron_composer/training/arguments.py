@@ -171,6 +171,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dense-shard-size", type=int, default=None,
                    help="HSDP shard group size for dense weights (a multiple of CP); "
                         "default: max(CP, 2)")
+    g.add_argument("--overlap-grad-reduce", action=argparse.BooleanOptionalAction, default=True,
+                   help="ddp: start each gradient bucket's all-reduce in the last micro-batch's backward, "
+                        "as soon as the bucket's gradients are complete (same sums as one all-reduce after it)")
+    g.add_argument("--ddp-bucket-size", type=int, default=None,
+                   help="ddp: parameters per gradient bucket of the overlapped reduce "
+                        "(default: max(40M, 1M x data-parallel size))")
     g.add_argument("--distributed-timeout-minutes", type=int, default=10,
                    help="timeout of collectives: a rank that stops makes the others fail after "
                         "this long instead of hanging")

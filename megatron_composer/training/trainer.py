@@ -24,15 +24,17 @@ micro-batch of it:
      all-reduce over DP x CP), so each loss is a per-position mean that does
      not depend on how the batch is split;
   3. forward/backward each micro-batch through the plug-ins;
-  4. reduce gradients over data-parallel replicas;
+  4. reduce gradients over data-parallel replicas (under DDP, each bucket's
+     all-reduce starts in the last micro-batch's backward as soon as its
+     gradients are complete, `--overlap-grad-reduce`);
   5. the optimizer: global grad norm, non-finite skip, clipping, scheduled
      LR, update, finiteness of the new weights;
   6. the aux-loss-free expert-bias update, for applied steps only.
 
-Every reduction runs on device tensors (NCCL reduces nothing else). Host
-syncs per step, whatever the model size: the gradient norm (the skip
-decision and the clip factor), the non-finite-weights flag, and the logged
-losses (one copy of [losses, counts]).
+Every reduction runs on device tensors (NCCL reduces nothing else). The
+update makes two host syncs of its own, whatever the model size: the
+gradient norm (the skip decision and the clip factor), and one copy of the
+logged [losses, counts] together with the new weights' non-finite flag.
 """
 from __future__ import annotations
 
@@ -120,7 +122,8 @@ class Trainer:
         self.device = local_device()
         gpt.to(self.device)  # before the DDP wrapper allocates its gradient buffers there
         self.model = parallelize(gpt, layout, sharding=cfg.data_parallel_sharding,
-                                 dense_shard_size=cfg.dense_shard_size, bf16=cfg.bf16)
+                                 dense_shard_size=cfg.dense_shard_size, bf16=cfg.bf16,
+                                 overlap_grad_reduce=cfg.overlap_grad_reduce, bucket_size=cfg.ddp_bucket_size)
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.loss_plugins = build_loss_plugins(model_cfg, cfg)
         self.state = TrainState()
@@ -239,17 +242,20 @@ class Trainer:
         # < 2**24); no host sync before the forward
         denominators = counts.clamp(min=1.0).float()
         totals = torch.zeros(len(self.loss_plugins), dtype=torch.float64, device=self.device)
-        self.model.zero_grad()
-        for batch, shift in zip(batches, shifts):
-            totals += self.forward_backward(batch, shift, denominators)
+        self.model.zero_grad()  # the gradient buffer is zeroed here only, once per update
+        for i, (batch, shift) in enumerate(zip(batches, shifts)):
+            # gradients accumulate locally; the reduce starts in the last micro-batch's backward
+            with self.model.no_sync(i < len(batches) - 1):
+                totals += self.forward_backward(batch, shift, denominators)
         self.model.finalize_grads()
         totals = self._all_reduce_dp_cp(totals)
         lr = self.optimizer.set_lr(self.state.iteration)
-        applied, norm, _ = self.optimizer.step()
+        applied, norm, _ = self.optimizer.step()  # host sync 1: the gradient norm
+        # host sync 2: the logged values, with the new weights' finite check (raises if not)
+        logged = self.optimizer.check_finite(torch.cat([totals, counts.clamp(min=1.0)]))
         self.model.update_expert_bias(applied)
-        self.model.zero_grad()
-        totals, counts = torch.stack([totals, counts.clamp(min=1.0)]).tolist()  # the logged values
-        losses = {p.name: (t / n) for p, t, n in zip(self.loss_plugins, totals, counts)}
+        n = len(self.loss_plugins)
+        losses = {p.name: (t / c) for p, t, c in zip(self.loss_plugins, logged[:n], logged[n:])}
         return StepResult(losses=losses, grad_norm=norm, tokens=self.global_batch_size * self.cfg.seq_length,
                           skipped=not applied, lr=lr, seconds=time.perf_counter() - start)
 
