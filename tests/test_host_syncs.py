@@ -177,8 +177,9 @@ def test_explicit_waits_count():
 # ------------------------------------------------------------- one training step
 ONE_RANK_BUDGET = 3  # the logged loss sums, the gradient norm, the finite-weights flag
 # Under CP the attention and the loss shift add none (index plans are host math, copied to the
-# device once per layout). megatron-core's MTP rolls a packed batch document by document, reading
-# each document's offsets from the device (`_roll_tensor_packed_seq`): those are counted apart.
+# device once per layout). Under CP > 1 megatron-core's MTP rolls a packed batch document by
+# document, reading each document's offsets from the device (`_roll_tensor_packed_seq`; at CP = 1
+# `models.mtp` rolls without them): those are counted apart.
 MTP_PACKED_ROLL = "megatron/core/transformer/multi_token_prediction.py"
 CP_CODE = ("megatron_composer/attention/", "megatron_composer/parallel/")
 
@@ -204,6 +205,20 @@ def test_one_rank_step_stays_within_the_sync_budget():
     text, total, _ = _step_syncs(0, 1)
     print(f"host syncs per step: {text}")
     assert total <= ONE_RANK_BUDGET, f"host syncs per step: {text}"
+
+
+# megatron-core's unfused RoPE of a packed batch splits it by `cu_seqlens.tolist()` and compares
+# `cu_seqlens[-1]`: 2 syncs per attention layer per micro-batch (`apply_rotary_pos_emb` with "thd";
+# the fused YaRN RoPE on CUDA takes the device offsets). Counted apart.
+THD_ROPE = "megatron/core/models/common/embeddings/rope_utils.py"
+
+
+def test_one_rank_packed_step_adds_no_sync_of_its_own():
+    """Packed documents at CP = 1: the attention and the MTP roll (`models.mtp`) read no document
+    offsets; everything but megatron-core's unfused packed RoPE stays within the budget."""
+    text, total, sources = _step_syncs(0, 1, micro_batch_size=1, global_batch_size=2, reset_attention_mask=True)
+    print(f"host syncs per step, packed documents: {text}")
+    assert len([s for s in sources if not s.startswith(THD_ROPE)]) <= ONE_RANK_BUDGET, text
 
 
 def test_cp2_packed_step_adds_no_sync_of_its_own():

@@ -18,6 +18,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
+from ..parallel.zigzag import packed_doc_lengths
 from .kernels import causal_attention, packed_causal_attention
 
 
@@ -83,8 +84,8 @@ class MLACoreAttention(MegatronModule):
             # max_seqlen_q describes cu_seqlens_q; padded offsets that differ need their own.
             same = cu is packed_seq_params.cu_seqlens_q
             max_seqlen = packed_seq_params.max_seqlen_q if same else None
-            out = packed_causal_attention(query, key, value, cu, self.softmax_scale,
-                                          max_seqlen=max_seqlen)
+            out = packed_causal_attention(query, key, value, cu, self.softmax_scale, max_seqlen=max_seqlen,
+                                          doc_lengths=packed_doc_lengths(packed_seq_params))
             return out.reshape(out.shape[0], -1)
         # [s, b, n, d] -> [b, n, s, d]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))

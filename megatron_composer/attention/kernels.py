@@ -58,6 +58,7 @@ this module is what runs without it.
 from __future__ import annotations
 
 import inspect
+import itertools
 from functools import lru_cache
 from typing import Optional
 
@@ -204,11 +205,14 @@ def _varlen_packed(query, key, value, cu_seqlens, max_seqlen, softmax_scale):
     return out[..., :dv]
 
 
-def _per_document(query, key, value, cu_seqlens, softmax_scale):
+def _per_document(query, key, value, cu_seqlens, softmax_scale, doc_lengths=None):
     dv = value.shape[-1]
     # once for all documents
     value = value_for(sdpa_backend(query.device, query.dtype), value, query.shape[-1])
-    bounds = cu_seqlens.tolist()
+    if doc_lengths is not None:  # known on the host: no read of the device offsets
+        bounds = [0, *itertools.accumulate(doc_lengths)]
+    else:
+        bounds = cu_seqlens.tolist()
     outs = []
     for start, end in zip(bounds[:-1], bounds[1:]):
         if end == start:
@@ -222,7 +226,7 @@ def _per_document(query, key, value, cu_seqlens, softmax_scale):
 
 
 def packed_causal_attention(query, key, value, cu_seqlens, softmax_scale: Optional[float],
-                            max_seqlen: Optional[int] = None):
+                            max_seqlen: Optional[int] = None, doc_lengths: Optional[tuple[int, ...]] = None):
     """Causal attention within each packed document.
 
     Args:
@@ -231,9 +235,11 @@ def packed_causal_attention(query, key, value, cu_seqlens, softmax_scale: Option
             documents allowed).
         max_seqlen: longest document (PackedSeqParams.max_seqlen_q); None costs
             a host sync on CUDA.
+        doc_lengths: the documents' lengths known on the host (`parallel.zigzag.packed_doc_lengths`);
+            None makes the per-document path read `cu_seqlens` (a host sync on CUDA).
     Returns:
         [t, n, dv].
     """
     if select_kernel("packed", query.device, query.dtype) == "varlen_flash":
         return _varlen_packed(query, key, value, cu_seqlens, max_seqlen, softmax_scale)
-    return _per_document(query, key, value, cu_seqlens, softmax_scale)
+    return _per_document(query, key, value, cu_seqlens, softmax_scale, doc_lengths)
