@@ -168,11 +168,13 @@ class WeightPublisher:
     def copy(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`state` in host memory and the wire dtype, copied: the caller may change `state` afterwards."""
         out = {}
-        for name, t in state.items():
-            t = t.detach().to("cpu")
+        for name, source in state.items():
+            t = source.detach().to("cpu")  # moved first, then cast on the host: the same bits on every device
             if self.dtype is not None and t.is_floating_point():
                 t = t.to(self.dtype)
-            out[name] = t.contiguous().clone()
+            if t.data_ptr() == source.data_ptr():  # neither moved nor cast: still the caller's memory
+                t = t.clone()
+            out[name] = t.contiguous()
         return out
 
     def publish(self, state: Mapping[str, torch.Tensor], version: int, *, full: bool = False) -> WeightUpdate:
