@@ -197,9 +197,9 @@ def test_on_gpus_every_model_holding_actor_asks_for_one_in_its_roles_group(monke
         placed.setdefault(actor.cls, []).append(
             (actor.options.get("num_gpus"), getattr(strategy, "placement_group", None),
              getattr(strategy, "placement_group_bundle_index", None)))
+    assert placed["Evaluator"] == [(1, "group of evaluator", 0)]
     assert placed["TrainerWorker"] == [(1, "group of trainer", 0), (1, "group of trainer", 1)]
     assert placed["InferenceWorker"] == [(1, "group of inference", 0)]
-    assert placed["Evaluator"] == [(1, "group of evaluator", 0)]
     assert all(n in (None, 0) for n, _, _ in placed["EnvWorker"])  # environments hold no model
 
 
