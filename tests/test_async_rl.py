@@ -1,6 +1,6 @@
-"""Asynchronous RL on Ray end to end: kill -9 of the whole job and of each kind of service.
+"""Asynchronous RL on Ray end to end: kill -9 of the whole job and of each kind of service; placement.
 
-One job in two lives. The first runs on a Ray instance of its own and is
+The first test: one job in two lives. The first runs on a Ray instance of its own and is
 killed with SIGKILL (its whole process group: driver, Ray, every actor) once
 its step-2 checkpoint is published. The second resumes from that checkpoint
 on a loopback "cluster" started with `ray start --head` (`--ray-address`),
@@ -8,6 +8,9 @@ and while it runs the test kills an inference worker, an environment worker
 and the evaluator with SIGKILL. The job must finish, train every group id at
 most once over both lives, train the ready groups the checkpoint held, and
 evaluate after its evaluator was killed.
+
+The second places stand-in actors on a loopback Ray instance that declares
+GPUs (the placement checks and groups of `rl/async_rl/placement.py`).
 """
 import json
 import os
@@ -68,7 +71,8 @@ def test_a_killed_job_resumes_on_a_cluster_and_survives_killed_services(data_dir
            "--rl-micro-batch-tokens", "2048", "--prompts-per-step", "2", "--group-size", "2",
            "--max-new-tokens", "12", "--max-turns", "2", "--episode-workers", "4", "--lr", "1e-4",
            "--lr-warmup-iters", "0", "--train-iters", "6", "--save", save, "--save-interval", "2",
-           "--eval-tasks", "2", "--eval-interval", "3", "--log-interval", "1", "--max-policy-lag", "3"]
+           "--eval-tasks", "2", "--eval-interval", "3", "--log-interval", "1", "--max-policy-lag", "3",
+           "--trainer-ranks", "2"]  # one gloo group of two trainer actors
     # a private loopback cluster: no token authentication between its processes
     env = dict(os.environ, RAY_DEDUP_LOGS="0", PYTHONUNBUFFERED="1", RAY_AUTH_MODE="disabled")
     deadline = time.monotonic() + LIMIT_S
@@ -121,3 +125,64 @@ def test_a_killed_job_resumes_on_a_cluster_and_survives_killed_services(data_dir
     assert resumed[-1]["groups failed"] >= 1  # the killed services lost in-flight groups, which came back
     assert "eval of weights version 6" in text
     assert latest_iteration(save) == 6 and os.path.exists(os.path.join(save, "async_rl.png"))
+
+
+class _Probe:
+    """A stand-in actor: what Ray assigned it, and a call that blocks until released."""
+
+    def __init__(self):
+        import threading
+
+        self.released = threading.Event()
+
+    def assigned(self):
+        import ray
+
+        from megatron_composer.rl.async_rl.placement import local_gpu_index
+
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        return [str(g) for g in ray.get_gpu_ids()], visible, local_gpu_index(ray.get_gpu_ids(), visible)
+
+    def wait_released(self):
+        return self.released.wait(60)
+
+    def release(self):
+        self.released.set()
+        return True
+
+
+@pytest.mark.slow
+def test_placement_on_a_loopback_cluster_with_gpus(tmp_path, monkeypatch):
+    """A Ray instance declaring 3 GPUs (none need exist: Ray only hands out their ids): a layout needing 4
+    is refused before anything is reserved; one needing 3 gets one GPU per actor, each its local cuda:0;
+    the trainer's `published` runs in its own concurrency group beside a blocked default-group call."""
+    ray = pytest.importorskip("ray")
+    from megatron_composer.rl.async_rl.placement import (PlacementError, ServiceLayout, actor_options,
+                                                         plan_placement, release, reserve)
+    from megatron_composer.rl.async_rl.runner import PUBLISH, AsyncRLRunner
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # a private loopback instance
+    ray.init(address="local", num_cpus=2, num_gpus=3, include_dashboard=False, log_to_driver=False)
+    try:
+        argv = ["--async-rl", "--env", "agentic-coding", "--eval-tasks", "2", "--trainer-ranks", "2",
+                "--inference-workers", "1", "--save", str(tmp_path / "rl")]
+        with pytest.raises(PlacementError, match="need 4 GPUs.*has 3 GPUs, 3 of them free"):
+            AsyncRLRunner(argv)
+        assert ray.util.placement_group_table() == {} and ray.available_resources()["GPU"] == 3
+
+        placement = plan_placement(ServiceLayout(2, 1, 0), ray.cluster_resources(), ray.available_resources())
+        groups = reserve(ray, placement, timeout_s=60)
+        probe = ray.remote(num_cpus=0, concurrency_groups={PUBLISH: 1})(_Probe)
+        actors = [probe.options(**actor_options(groups, role, i)).remote()
+                  for role, n in (("trainer", 2), ("inference", 1)) for i in range(n)]
+        seen = ray.get([a.assigned.remote() for a in actors], timeout=120)
+        assert sorted(ids[0] for ids, _, _ in seen) == ["0", "1", "2"]
+        assert all(ids == [visible] and local == 0 for ids, visible, local in seen)
+        blocked = actors[0].wait_released.options(concurrency_group=PUBLISH).remote()
+        assert ray.get(actors[0].release.remote(), timeout=30)  # the default group is not held up
+        assert ray.get(blocked, timeout=30)
+        for a in actors:
+            ray.kill(a)
+        release(groups)
+    finally:
+        ray.shutdown()

@@ -54,8 +54,9 @@ def test_one_async_round_trip_serves_the_trained_weights_exactly(data_dir, tmp_p
         for g in groups:
             assert [s.trajectory for s in g.samples] == [0, 1]
             assert all(v == 0 for s in g.samples for v in s.policy_versions) and g.oldest_version == 0
-        metrics, update = trainer.train_step(groups)
-        assert metrics["trained groups"] == [5, 9] and update.is_delta and update.version == 1
+        metrics, version = trainer.train_step(groups)
+        update = trainer.published(version)  # encoded off the step, as the runner asks for it
+        assert metrics["trained groups"] == [5, 9] and version == 1 and update.is_delta and update.version == 1
         assert inference.update_weights(update) and inference.engine.version == 1
         _served_equal_trainer_bf16(inference, trainer.trainer)
         later = env.run_group(10, 1)
@@ -148,7 +149,8 @@ def _through_our_server(trainer, info, local_env):
         group = EnvWorker(spec).run_group(11, 1)
         assert [s.trajectory for s in group.samples] == [0, 1]
         assert all(v == 1 for s in group.samples for v in s.policy_versions)
-        _, update = trainer.train_step([group, dataclasses.replace(group, group_id=12)])
+        _, version = trainer.train_step([group, dataclasses.replace(group, group_id=12)])
+        update = trainer.published(version)
         assert sync.update_weights(update) and engine.version == 2
         _served_equal_trainer_bf16(served, trainer.trainer)
     engine.stop()

@@ -1,13 +1,17 @@
 """Delta weight sync: subscribers rebuild the published weights bit for bit, from the objects
-(in process, Ray) and from their bytes (HTTP); malformed bytes are a ValueError naming the fault."""
+(in process, Ray) and from their bytes (HTTP); malformed bytes are a ValueError naming the fault;
+the background publisher sends the bytes of the weights as they were when submitted."""
 import dataclasses
 import json
+import threading
 import zlib
 
+import numpy as np
 import pytest
 import torch
 
 from megatron_composer.inference.weight_sync import (
+    BackgroundPublisher,
     StaleBaseError,
     TensorPayload,
     WeightPublisher,
@@ -208,3 +212,90 @@ def test_rebuild_does_not_commit_and_a_stale_delta_is_a_stale_base_error():
         sub.apply(pub.publish(_weights(2), 2))
     sub.reset()
     assert sub.version is None and sub.apply(pub.snapshot()) and sub.version == 2
+
+
+# ---------------------------------------------------------------- encoding off the training step
+
+def _reference_payload(value, base=None) -> bytes:
+    """One tensor's wire bytes computed here with numpy: the bf16 (floating) or raw bit patterns, XORed
+    with the base's for a delta, as byte planes (byte 0 of every element, then byte 1, ...), zlib level 1."""
+    def bits(t):
+        return t.to(torch.bfloat16).view(torch.int16).numpy() if t.is_floating_point() else t.numpy()
+
+    b = bits(value).reshape(-1)
+    if base is not None:
+        b = np.bitwise_xor(b, bits(base).reshape(-1))
+    return zlib.compress(np.ascontiguousarray(b.view(np.uint8).reshape(-1, b.itemsize).T).tobytes(), 1)
+
+
+def test_the_background_publisher_sends_the_formats_bytes_of_the_weights_at_submit():
+    """Each update equals the reference encoding of the weights as they were when submitted, though the
+    caller changes them in place as soon as submit returns (the next step), and equals publish()'s update."""
+    w, g = _weights(0), torch.Generator().manual_seed(3)
+    background, inline = BackgroundPublisher(WeightPublisher(torch.bfloat16)), WeightPublisher(torch.bfloat16)
+    before = None
+    try:
+        for version in range(4):
+            sent = {n: t.clone() for n, t in w.items()}
+            background.submit(w, version)
+            for t in w.values():  # the next step moves the weights at once
+                t.add_(torch.randn(t.shape, generator=g) if t.is_floating_point() else 1)
+            update = background.result(version, timeout=60)
+            assert (update.version, update.base_version) == (version, None if before is None else version - 1)
+            for name, payload in update.tensors.items():
+                assert payload.data == _reference_payload(sent[name], None if before is None else before[name]), name
+            same = inline.publish(sent, version)
+            assert (same.version, same.base_version, same.raw_bytes, same.tensors) == \
+                (update.version, update.base_version, update.raw_bytes, update.tensors)
+            before = sent
+        assert background.snapshot().tensors == inline.snapshot().tensors
+    finally:
+        background.close()
+
+
+def test_a_step_that_outpaces_the_encoder_waits_with_one_copy_queued():
+    gate, encoding = threading.Event(), threading.Event()
+    inner = WeightPublisher(torch.bfloat16)
+    encode = inner.encode
+
+    def slow_encode(*args, **kwargs):
+        encoding.set()
+        assert gate.wait(30)
+        return encode(*args, **kwargs)
+
+    inner.encode = slow_encode
+    background = BackgroundPublisher(inner)
+    try:
+        background.submit(_weights(0), 0)
+        assert encoding.wait(30)  # version 0 is being encoded
+        background.submit(_weights(1), 1)  # queued
+        third = threading.Thread(target=background.submit, args=(_weights(2), 2))
+        third.start()
+        third.join(0.5)
+        assert third.is_alive()  # the queue holds one copy: the third waits
+        gate.set()
+        third.join(30)
+        assert not third.is_alive()
+        last = background.result(2, timeout=30)
+        assert (last.version, last.base_version) == (2, 1) and background.result(1).base_version == 0
+        with pytest.raises(ValueError, match="version 0 was superseded by version 2"):
+            background.result(0)
+        with pytest.raises(ValueError, match="version 3 was not submitted"):
+            background.result(3)
+    finally:
+        gate.set()
+        background.close()
+
+
+def test_an_encoding_error_reaches_whoever_asks_for_that_version():
+    background = BackgroundPublisher(WeightPublisher(torch.bfloat16))
+    try:
+        background.submit({"z": torch.zeros(2, dtype=torch.complex64)}, 0)
+        with pytest.raises(ValueError, match="no bit view for dtype torch.complex64"):
+            background.result(0, timeout=30)
+        background.submit(_weights(0), 1)
+        assert not background.result(1, timeout=30).is_delta
+    finally:
+        background.close()
+    with pytest.raises(RuntimeError, match="publisher is closed"):
+        background.submit(_weights(0), 2)

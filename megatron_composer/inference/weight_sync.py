@@ -21,6 +21,10 @@ its copy and gets the new weights bit for bit.
     subscriber = WeightSubscriber()                        # on each inference worker
     state = subscriber.apply(update)                       # {name: tensor}, bit-exact, for Engine.update_weights
 
+`BackgroundPublisher` runs the same encoding on a thread of its own: the
+training step waits only for the copy of the weights, and the XOR and zlib of
+one version overlap the next step (torch's kernels and zlib release the GIL).
+
 A subscriber that lost its copy (a restarted worker) asks for
 `publisher.snapshot()`, a full update of the last published weights. A delta
 whose base version is not the subscriber's raises `StaleBaseError` (a
@@ -38,6 +42,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import queue
+import threading
 import time
 import zlib
 from typing import Mapping, Optional
@@ -159,20 +165,28 @@ class WeightPublisher:
     def version(self) -> Optional[int]:
         return self._version
 
-    def _cast(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def copy(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`state` in host memory and the wire dtype, copied: the caller may change `state` afterwards."""
         out = {}
-        for name, t in state.items():
-            t = t.detach().to("cpu")
+        for name, source in state.items():
+            t = source.detach().to("cpu")  # moved first, then cast on the host: the same bits on every device
             if self.dtype is not None and t.is_floating_point():
                 t = t.to(self.dtype)
-            out[name] = t.contiguous().clone()
+            if t.data_ptr() == source.data_ptr():  # neither moved nor cast: still the caller's memory
+                t = t.clone()
+            out[name] = t.contiguous()
         return out
 
     def publish(self, state: Mapping[str, torch.Tensor], version: int, *, full: bool = False) -> WeightUpdate:
         """The update from the last upload to `state` (full the first time, when asked, or when the
         names, shapes or dtypes changed)."""
         started = time.perf_counter()
-        current = self._cast(state)
+        return self.encode(self.copy(state), version, full=full, started=started)
+
+    def encode(self, current: dict[str, torch.Tensor], version: int, *, full: bool = False,
+               started: Optional[float] = None) -> WeightUpdate:
+        """`publish` of weights that `copy` returned (this publisher keeps them as the next base)."""
+        started = time.perf_counter() if started is None else started
         same_layout = (self._version is not None and current.keys() == self._base.keys() and all(
             current[n].shape == self._base[n].shape and current[n].dtype == self._base[n].dtype for n in current))
         delta = same_layout and not full
@@ -198,6 +212,104 @@ class WeightPublisher:
         return WeightUpdate(self._version, None, tensors,
                             sum(t.numel() * t.element_size() for t in self._base.values()),
                             time.perf_counter() - started)
+
+
+class BackgroundPublisher:
+    """A `WeightPublisher` that encodes on a thread of its own, off the training step's critical path.
+
+    `submit` copies the weights (`WeightPublisher.copy`: the only part the caller waits for, after
+    which the weights may change) and queues the copy; the thread encodes it into the update that
+    `WeightPublisher.publish` returns for the same state, bytes and versions alike, while the next
+    step runs; `result(version)` waits for that update. The queue holds one copy: a caller that
+    submits faster than the thread encodes waits in `submit`, so at most two copies of the weights
+    (one queued, one being encoded) exist besides the publisher's base.
+
+        publisher = BackgroundPublisher(WeightPublisher(torch.bfloat16))
+        publisher.submit(model_state, version=step)   # returns once the weights are copied
+        ...                                           # the next step changes the weights meanwhile
+        update = publisher.result(step)               # the WeightUpdate, as publish() makes it
+    """
+
+    KEPT = 2  # encoded updates kept for `result` (the newest ones); older versions are superseded
+
+    def __init__(self, publisher: WeightPublisher):
+        self.publisher = publisher
+        self._queue: queue.Queue = queue.Queue(maxsize=1)
+        self._done = threading.Condition()  # guards the bookkeeping below; signals each encoded version
+        self._encoding = threading.Lock()  # held while the publisher's base may move (encode, snapshot)
+        self._results: dict[int, object] = {}  # version -> WeightUpdate, or the exception encoding raised
+        self._submitted: Optional[int] = None  # the newest version handed to `submit`
+        self._encoded: Optional[int] = None  # the newest version the thread has finished with
+        self.last: Optional[WeightUpdate] = None  # the newest update encoded (for its sizes and time)
+        self._thread = threading.Thread(target=self._encode_loop, name="weight-publisher", daemon=True)
+        self._thread.start()
+
+    @property
+    def version(self) -> Optional[int]:
+        """The newest version submitted (encoded or not yet)."""
+        return self._submitted
+
+    def submit(self, state: Mapping[str, torch.Tensor], version: int, *, full: bool = False) -> None:
+        """Copy `state` and queue it for encoding as `version`; waits while an earlier copy is queued."""
+        if not self._thread.is_alive():
+            raise RuntimeError("this publisher is closed; make a new BackgroundPublisher")
+        current = self.publisher.copy(state)
+        self._queue.put((current, int(version), full))
+        self._submitted = int(version)
+
+    def result(self, version: int, timeout: Optional[float] = None) -> WeightUpdate:
+        """The update of `version` once encoded (raises what encoding raised; ValueError for a version
+        that was never submitted or already superseded by `KEPT` newer ones)."""
+        version = int(version)
+        if self._submitted is None or version > self._submitted:
+            raise ValueError(f"weights version {version} was not submitted (newest: {self._submitted})")
+        with self._done:
+            if not self._done.wait_for(lambda: self._encoded is not None and self._encoded >= version, timeout):
+                raise TimeoutError(f"weights version {version} was not encoded within {timeout} s")
+            if version not in self._results:
+                raise ValueError(f"weights version {version} was superseded by version {self._encoded}; "
+                                 "ask for a snapshot()")
+            out = self._results[version]
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    def snapshot(self, timeout: Optional[float] = None) -> WeightUpdate:
+        """A full update of the newest submitted weights, once they are encoded."""
+        if self._submitted is None:
+            raise ValueError("nothing was published yet; call submit() first")
+        target = self._submitted
+        with self._done:
+            if not self._done.wait_for(lambda: self._encoded is not None and self._encoded >= target, timeout):
+                raise TimeoutError(f"weights version {target} was not encoded within {timeout} s")
+        with self._encoding:
+            return self.publisher.snapshot()
+
+    def close(self) -> None:
+        """Finish what is queued and stop the thread."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+    def _encode_loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            current, version, full = job
+            with self._encoding:
+                try:
+                    out = self.publisher.encode(current, version, full=full)
+                except Exception as exc:  # noqa: BLE001 - handed to whoever asks for this version
+                    out = exc
+            with self._done:
+                if isinstance(out, WeightUpdate):
+                    self.last = out
+                self._results[version] = out
+                for old in sorted(self._results)[:-self.KEPT]:
+                    del self._results[old]
+                self._encoded = version
+                self._done.notify_all()
 
 
 class WeightSubscriber:

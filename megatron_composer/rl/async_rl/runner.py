@@ -3,6 +3,11 @@
     python train_rl.py --async-rl ...                 a Ray instance of this job on this machine
     python train_rl.py --ray-address auto ...         an existing cluster (`ray start --head` / Slurm)
 
+Before any worker starts, `placement.plan_placement` checks that the cluster
+has one GPU per trainer rank, inference worker and evaluator (or none at all:
+then everything runs on CPU) and raises naming both numbers when it has not;
+each role then gets a placement group of its own (`placement.py`).
+
 The driver's loop (`AsyncRLRunner.run`):
 
 1. launch: the reconciler fills its free slots; each group goes to an
@@ -15,8 +20,9 @@ The driver's loop (`AsyncRLRunner.run`):
    ready (those past `--max-policy-lag` are dropped and resampled), every
    trainer rank takes the batch from the object store and steps; rollouts go
    on meanwhile;
-4. sync: rank 0 publishes the new weights as a delta (`weight_sync`); each
-   inference worker and the evaluator swap them in between decode steps, so
+4. sync: rank 0 copies the new weights and encodes them as a delta
+   (`weight_sync.BackgroundPublisher`) on a thread while its next step runs;
+   each inference worker and the evaluator swap them in between decode steps, so
    sequences in flight continue and later tokens carry the new version; a
    subscriber that cannot apply a delta (it restarted) gets a full snapshot;
 5. checkpoint every `--save-interval` steps with the reconciler's state inside
@@ -38,10 +44,12 @@ from typing import Callable, Optional
 from ..environments import environment_class
 from ..report import StepReport
 from ..rollout import due
+from .placement import ServiceLayout, actor_options, plan_placement, release, reserve
 from .reconciler import Reconciler, decode_state, encode_state, token_lags
 from .services import EnvWorker, Evaluator, InferenceWorker, RayBackend, RolloutSpec, ServerSync, TrainerWorker
 
 SERVICES_FILE = "async_rl_services.json"  # which process is which service (pids, for operators and tests)
+PUBLISH = "publish"  # the trainer actors' concurrency group of `published` and `snapshot`
 
 
 def _ray():
@@ -75,15 +83,20 @@ class AsyncRLRunner:
                 ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False,
                          log_to_driver=True)
         cores = os.cpu_count() or 1
-        gpus = ray.cluster_resources().get("GPU", 0)
         world = args.trainer_ranks
-        per_gpu = {"num_gpus": 1} if gpus >= world + args.inference_workers else {"num_gpus": 0}
-        trainer_cls = ray.remote(num_cpus=0, **per_gpu)(TrainerWorker)
+        evaluated = bool(rl.rollout.eval_tasks and environment_class(rl.environment.name).held_out)
+        # one GPU per trainer rank, inference worker and evaluator, or an error naming the numbers,
+        # before any worker starts
+        placement = plan_placement(ServiceLayout.of(args, evaluator=evaluated), ray.cluster_resources(),
+                                   ray.available_resources())
+        self.groups = reserve(ray, placement)
+        # `published` and `snapshot` run in their own thread while the next train_step runs
+        trainer_cls = ray.remote(num_cpus=0, concurrency_groups={PUBLISH: 1})(TrainerWorker)
         # torch threads: the inference workers keep one core each; more threads than cores make every
         # service crawl (intra-op pools spin)
         threads = max(1, (cores - args.inference_workers) // world)
-        self.trainers = [trainer_cls.remote(run, r, world, threads=threads,
-                                            weight_dtype=args.weight_sync_dtype) for r in range(world)]
+        self.trainers = [trainer_cls.options(**actor_options(self.groups, "trainer", r)).remote(
+            run, r, world, threads=threads, weight_dtype=args.weight_sync_dtype) for r in range(world)]
         master, port = ray.get(self.trainers[0].address.remote())
         ray.get([t.setup.remote(master, port) for t in self.trainers])
         info = ray.get(self.trainers[0].describe.remote())
@@ -91,22 +104,25 @@ class AsyncRLRunner:
         spec = RolloutSpec(rl, info["tokenizer_model"], info["seq_length"], info["seed"], info["tasks"],
                            long_tail=args.rollout_long_tail, server_url=args.rollout_server)
         restart = {"num_cpus": 0, "max_restarts": -1, "max_task_retries": 0}
-        infer_cls = ray.remote(**restart, **per_gpu)(InferenceWorker)
+        infer_cls = ray.remote(**restart)(InferenceWorker)
         if args.rollout_server:  # an external server of ours; the driver pushes its weights
             self.inference = [ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)(ServerSync).options(
                 max_concurrency=1).remote(args.rollout_server)]
         else:
-            self.inference = [infer_cls.options(max_concurrency=4 * rl.rollout.group_size * rl.rollout.prompts_per_step + 8).remote(
+            self.inference = [infer_cls.options(
+                max_concurrency=4 * rl.rollout.group_size * rl.rollout.prompts_per_step + 8,
+                **actor_options(self.groups, "inference", i)).remote(
                 info["model_config"], info["tokenizer_model"], max_model_len=info["seq_length"],
-                max_batch_size=rl.rollout.rollout_batch_size) for _ in range(args.inference_workers)]
+                max_batch_size=rl.rollout.rollout_batch_size) for i in range(args.inference_workers)]
         env_cls = ray.remote(**restart)(EnvWorker)
         self.envs = [env_cls.options(max_concurrency=4 * rl.rollout.prompts_per_step + 4).remote(
             spec, None if args.rollout_server else
             RayBackend(self.inference[i % len(self.inference)], timeout_s=args.group_timeout_s))
             for i in range(args.env_workers)]
         self.evaluator = None
-        if rl.rollout.eval_tasks and environment_class(rl.environment.name).held_out:
-            self.evaluator = ray.remote(**restart)(Evaluator).remote(spec, info["model_config"], count=rl.rollout.eval_tasks)
+        if evaluated:
+            self.evaluator = ray.remote(**restart)(Evaluator).options(**actor_options(self.groups, "evaluator", 0)).remote(
+                spec, info["model_config"], count=rl.rollout.eval_tasks)
         inflight = args.max_inflight_groups or 2 * rl.rollout.prompts_per_step
         self.reconciler = Reconciler(rl.rollout.prompts_per_step, max_inflight_groups=inflight,
                                      max_policy_lag=args.max_policy_lag, synchronous=args.synchronous_rollouts)
@@ -119,7 +135,8 @@ class AsyncRLRunner:
         self.report = StepReport(self.save_dir, f"async {rl.environment.name}: {rl.rollout.prompts_per_step} x {rl.rollout.group_size} per step",
                                  job=self.job)
         self.history, self.eval_history = self.report.history, self.report.eval_history
-        self.log.print(f"> async RL: {world} trainer rank(s), {len(self.inference)} inference worker(s), "
+        self.log.print(f"> async RL: {world} trainer rank(s), {len(self.inference)} inference worker(s)"
+                       f"{', one GPU each' if placement.gpus else ''}, "
                        f"{len(self.envs)} environment worker(s), evaluator {'on' if self.evaluator else 'off'}; "
                        f"{inflight} groups in flight, policy lag <= {args.max_policy_lag}"
                        f"{', synchronous rollouts' if args.synchronous_rollouts else ''}; "
@@ -148,10 +165,14 @@ class AsyncRLRunner:
         workers = self.inference if workers is None else workers
         behind = [w for w in workers if self._when_up(lambda: w.version.remote()) != self.version]
         if behind:
-            snap = self.trainers[0].snapshot.remote()
+            snap = self._snapshot()
             for w in behind:
                 if not self._when_up(lambda: w.update_weights.remote(snap)):
                     raise RuntimeError("internal: a subscriber refused a full snapshot")
+
+    def _snapshot(self):
+        """A ref to rank 0's full update of the newest weights (beside a running train_step)."""
+        return self.trainers[0].snapshot.options(concurrency_group=PUBLISH).remote()
 
     def _when_up(self, call: Callable, timeout_s: float = 300.0):
         """ray.get(call()), retried while the actor is restarting (Ray brings it back; until then it is
@@ -176,7 +197,7 @@ class AsyncRLRunner:
                 [t.start_clock.remote() for t in self.trainers])
         pending: dict = {}  # ObjectRef -> (group id, env worker, launch time)
         self.pushes: list = []  # (subscriber, ObjectRef of its update_weights)
-        training = None  # (metrics ref, weights-update ref, token lags, launch time) of the step in flight
+        training = None  # (ref of rank 0's (metrics, version), token lags, launch time) of the step in flight
         evals: list = []
         started = time.perf_counter()
         evaluated = None  # the version last sent for evaluation
@@ -192,9 +213,8 @@ class AsyncRLRunner:
                 if batch is not None:
                     lags = token_lags(batch, self.version)
                     batch_ref = ray.put(batch)
-                    calls = [t.train_step.options(num_returns=2).remote(batch_ref) for t in self.trainers]
-                    metrics_ref, update_ref = calls[0]
-                    training = (metrics_ref, update_ref, lags, time.perf_counter())
+                    calls = [t.train_step.remote(batch_ref) for t in self.trainers]
+                    training = (calls[0], lags, time.perf_counter())
             waiting = list(pending) + ([training[0]] if training else [])
             done, _ = ray.wait(waiting, num_returns=1, timeout=1.0)
             for ref in done:
@@ -229,9 +249,14 @@ class AsyncRLRunner:
 
     def _finish_step(self, training, started: float) -> list:
         ray, rec = self.ray, self.reconciler
-        metrics_ref, update_ref, lags, launched = training
-        metrics = ray.get(metrics_ref)
+        step_ref, lags, launched = training
+        metrics, version = ray.get(step_ref)
         self.version += 1
+        if version != self.version:
+            raise RuntimeError(f"internal: the trainer published weights version {version}, the driver expected "
+                               f"{self.version}")
+        # encoded on the trainer while its next step runs; each subscriber takes it when it is ready
+        update_ref = self.trainers[0].published.options(concurrency_group=PUBLISH).remote(version)
         pushes = [(w, w.update_weights.remote(update_ref)) for w in self.subscribers()]
         wall = time.perf_counter() - started
         stats = []
@@ -292,7 +317,7 @@ class AsyncRLRunner:
             if not ok and w not in behind:
                 behind.append(w)
         if behind:  # without waiting: a busy evaluator takes its snapshot after its evaluation
-            snap = self.trainers[0].snapshot.remote()
+            snap = self._snapshot()
             left += [(w, w.update_weights.remote(snap)) for w in behind]
         return left
 
@@ -306,7 +331,7 @@ class AsyncRLRunner:
                 result = ray.get(ref)
             except ray.exceptions.RayError as exc:
                 self.log.print(f" an evaluation was lost ({type(exc).__name__}); the next one runs on schedule")
-                snap = self.trainers[0].snapshot.remote()  # Ray restarted it without weights
+                snap = self._snapshot()  # Ray restarted it without weights
                 self.pushes.append((self.evaluator, self.evaluator.update_weights.remote(snap)))
                 continue
             if result is None:
@@ -347,6 +372,7 @@ class AsyncRLRunner:
     def shutdown(self) -> None:
         for actor in self.trainers + self.inference + self.envs + ([self.evaluator] if self.evaluator else []):
             self.ray.kill(actor, no_restart=True)
+        release(self.groups)
 
 
 def run_async_rl(run) -> dict:

@@ -1,8 +1,9 @@
 """The four RL services as plain classes; `runner.py` makes each a Ray actor.
 
     TrainerWorker     one per rank: builds `RLTrainer` from train_rl.py's flags inside its own
-                      torch.distributed group (gloo on CPU, NCCL on GPU), takes one policy update per
-                      batch of groups, publishes the new weights (rank 0, `weight_sync`), saves
+                      torch.distributed group (gloo on CPU, NCCL on GPU, on the GPU Ray assigned it),
+                      takes one policy update per batch of groups, publishes the new weights (rank 0,
+                      `weight_sync`, encoded on a thread while the next step runs), saves
                       policy-aware checkpoints (the reconciler's buffer rides in the checkpoint).
     InferenceWorker   our engine in a background loop; generates for the environment workers; swaps
                       in published weights between two decode steps while sequences run on.
@@ -25,7 +26,9 @@ import torch
 from ..backends import BackendCapabilities, RolloutBackend, check_backend
 from ..rollout import renumber
 from .reconciler import Group
-from ...inference.weight_sync import StaleBaseError, WeightPublisher, WeightSubscriber, WeightUpdate
+from ...inference.weight_sync import (BackgroundPublisher, StaleBaseError, WeightPublisher, WeightSubscriber,
+                                      WeightUpdate)
+from .placement import local_gpu_index
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -33,6 +36,15 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 def _threads(n: int) -> None:
     """Each service gets its share of the machine's cores (one torch pool per process)."""
     torch.set_num_threads(max(1, n))
+
+
+def _ray_gpu_ids() -> list:
+    """The GPU ids Ray assigned this process (none outside a Ray worker)."""
+    try:
+        import ray
+    except ImportError:
+        return []
+    return list(ray.get_gpu_ids()) if ray.is_initialized() else []
 
 
 class TrainerWorker:
@@ -50,7 +62,7 @@ class TrainerWorker:
             run = parse_rl_args(list(run))
         self.run = dataclasses.replace(run, logging=LoggingConfig())
         self.rank, self.world_size, self.threads = rank, world_size, threads
-        self.publisher = WeightPublisher(_DTYPES[weight_dtype]) if rank == 0 else None
+        self.publisher = BackgroundPublisher(WeightPublisher(_DTYPES[weight_dtype])) if rank == 0 else None
 
     def address(self) -> tuple[str, int]:
         """This process's node address and a free port there: rank 0's rendezvous for the others."""
@@ -67,10 +79,14 @@ class TrainerWorker:
             return host, s.getsockname()[1]
 
     def setup(self, master_addr: str, master_port: int) -> None:
-        """Join the trainer's process group (every rank at once) and build and resume the trainer."""
-        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(self.rank),
-                          LOCAL_WORLD_SIZE=str(self.world_size), MASTER_ADDR=master_addr,
-                          MASTER_PORT=str(master_port))
+        """Join the trainer's process group (every rank at once) and build and resume the trainer.
+
+        The global rank is this worker's rank; the local device is the GPU Ray assigned this actor
+        (`placement.local_gpu_index`: cuda:0 of the one device Ray leaves visible), not the rank.
+        """
+        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world_size),
+                          LOCAL_RANK=str(local_gpu_index(_ray_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"))),
+                          LOCAL_WORLD_SIZE="1", MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         _threads(self.threads)
         from ..build import build_rl_trainer
 
@@ -104,34 +120,50 @@ class TrainerWorker:
 
         return read_extra_file(load, self.BUFFER_FILE)
 
-    def publish(self, *, full: bool = False) -> Optional[WeightUpdate]:
-        """This step's weights for the inference workers (rank 0; the others return None)."""
+    def publish(self, *, full: bool = False) -> Optional[int]:
+        """Copy this iteration's weights and queue them for encoding (rank 0): their version, whose
+        update `published` returns once encoded; None on the other ranks."""
         if self.publisher is None:
             return None
         from ...checkpoint import model_state_dict
 
-        state = model_state_dict(self.trainer.model)
-        return self.publisher.publish(state, self.trainer.state.iteration, full=full)
+        version = self.trainer.state.iteration
+        self.publisher.submit(model_state_dict(self.trainer.model), version, full=full)
+        return version
+
+    def published(self, version: int) -> Optional[WeightUpdate]:
+        """The update of weights `version` (rank 0), waiting while it is encoded; None on the other ranks.
+        Runs in the actor's "publish" concurrency group, beside the next `train_step`."""
+        return None if self.publisher is None else self.publisher.result(version)
 
     def snapshot(self) -> Optional[WeightUpdate]:
-        """A full update of the last published weights (for a worker that starts or restarted)."""
+        """A full update of the last published weights (for a worker that starts or restarted); before the
+        first publication, of the weights now."""
         if self.publisher is None:
             return None
-        return self.publisher.snapshot() if self.publisher.version is not None else self.publish(full=True)
+        if self.publisher.version is None:
+            return self.published(self.publish(full=True))
+        return self.publisher.snapshot()
 
-    def train_step(self, groups: list[Group]) -> tuple[dict, Optional[WeightUpdate]]:
-        """One policy update on one step's groups; (metrics, the new weights' update on rank 0)."""
+    def train_step(self, groups: list[Group]) -> tuple[dict, Optional[int]]:
+        """One policy update on one step's groups: (metrics, the version `published` returns on rank 0,
+        else None). The step waits for the copy of the weights, not for their encoding; the metrics carry
+        the sizes and time of the newest update encoded by then ("sync version")."""
         waited = time.perf_counter() - self.idle_since
         samples = renumber(groups, self.rl.rollout.group_size)  # the step's groups 0 .. prompts_per_step - 1
         metrics = self.trainer.train_on(samples)
         metrics["trainer wait seconds"] = waited
         metrics["trained groups"] = [g.group_id for g in groups]
-        update = self.publish()
-        if update is not None:
-            metrics.update({"sync bytes": float(update.sent_bytes), "sync full bytes": float(update.raw_bytes),
-                            "sync seconds": update.seconds})
+        started = time.perf_counter()
+        version = self.publish()
+        if version is not None:
+            metrics["publish seconds"] = time.perf_counter() - started
+            last = self.publisher.last
+            if last is not None:
+                metrics.update({"sync bytes": float(last.sent_bytes), "sync full bytes": float(last.raw_bytes),
+                                "sync seconds": last.seconds, "sync version": float(last.version)})
         self.idle_since = time.perf_counter()
-        return metrics, update
+        return metrics, version
 
     def save(self, buffer: bytes) -> str:
         """A checkpoint of this iteration with the reconciler's state inside (collective over ranks)."""
@@ -146,6 +178,8 @@ class TrainerWorker:
             self.trainer.checkpoints.prepare_save_dir()
 
     def close(self) -> None:
+        if self.publisher is not None:
+            self.publisher.close()
         self.log.close()
 
 
