@@ -270,7 +270,8 @@ def _timing(s: PlanSetup, inventory, comms: list[Collective]) -> tuple[dict, dic
     mfu = s.mfu or s.gpu.mfu
     rate = s.gpu.bf16_tflops * 1e12 * mfu
     link = {True: s.gpu.ib_gbps * 1e9, False: s.gpu.nvlink_gbps * 1e9}
-    seconds = {"compute": (model + recompute + cp_kv + no_grad_forward) / rate, "optimizer": flops["newton_schulz"] / rate,
+    seconds = {"compute": (model + recompute + cp_kv + no_grad_forward) / rate,
+               "optimizer": flops["newton_schulz"] / rate,
                "nvlink_overlapped": 0.0, "ib_overlapped": 0.0, "exposed_communication": 0.0}
     for col in comms:
         t = col.bytes_per_step / link[col.inter_node]
