@@ -181,7 +181,8 @@ def rl_setup_from_args(args):
 def rl_setup_from_run(run, *, nodes: int, gpus_per_node: int, gpu: str = "h200", prompt_tokens: int = 1024):
     """The `RLPlanSetup` of a parsed `train_rl.py` command (`rl.arguments.parse_rl_args`) on `nodes` x
     `gpus_per_node` GPUs: its model, trainer layout, inference workers and rollout, each sample planned at
-    --seq-length tokens of which `prompt_tokens` are prompt."""
+    --seq-length tokens of which `prompt_tokens` are prompt. The layers are planned as the local spec (whose
+    grouped experts save their stacked weights; Transformer Engine's save none), whatever this machine has."""
     from megatron_composer.planner.plan import PlanSetup
     from megatron_composer.planner.rl import RLPlanSetup, RolloutShape
     from megatron_composer.training.arguments import resolve_model_config
