@@ -445,3 +445,197 @@ def test_bad_input_exits_2_naming_the_value(argv, message, capsys):
         _main()(argv)
     err = capsys.readouterr().err
     assert exc.value.code == 2 and message in err and "Traceback" not in err, err
+
+
+# ---------------------------------------------------------------- RL (`planner.rl`, `planner.inference`)
+GiB = 1 << 30
+
+
+def _engine(cfg, slots, max_len):
+    from megatron_composer.inference.engine import Engine
+    from megatron_composer.models import build_model
+    from megatron_composer.parallel import ParallelLayout
+    from megatron_composer.parallel.layout import initialize_parallel
+    from megatron_composer.platform import init_distributed
+
+    init_distributed()
+    initialize_parallel(ParallelLayout(world_size=1), seed=0)
+    model = build_model(cfg, ParallelLayout(world_size=1), seq_length=max_len)
+    return model, Engine(model, cfg, max_batch_size=slots, max_model_len=max_len)
+
+
+def test_engine_weights_and_latent_cache_are_what_the_engine_allocates():
+    """The tiny model: the inference plan's weights are the built model's parameters (2 bytes each in
+    bf16, 4 in the fp32 start-up), its latent cache the engine's trunk + MTP caches (fp32 on CPU), and both
+    equal the architecture's arithmetic."""
+    from megatron_composer.config import get_preset
+    from megatron_composer.planner.inference import EngineShape, engine_memory, kv_cache_bytes
+
+    cfg = get_preset("tiny")
+    model, engine = _engine(cfg, slots=3, max_len=100)
+    cache = engine.runner.cache.data.nbytes + engine.runner.mtp_cache.data.nbytes
+    # (4 layers + 1 MTP layer) x 3 slots x 101 positions x (kv_lora 32 + rope 16) x 4 bytes
+    assert kv_cache_bytes(cfg, 3, 100, bytes_per_value=4) == cache == 5 * 3 * 101 * 48 * 4
+    params = sum(p.numel() for p in model.parameters())
+    moe_layers, experts = 4, 8 * 3 * 128 * 96  # 3 MoE layers + the MTP layer's, each 8 experts of 3 matrices
+    assert params == 1_638_624 + moe_layers * experts  # dense + routed experts
+    memory = engine_memory(cfg, EngineShape(max_model_len=100, max_batch_size=3, reserved_bytes=0))
+    assert memory["weights"] == 2 * params and memory["startup"] == 4 * params
+    assert memory["kv_cache"] == 5 * 3 * 101 * 48 * 2  # bf16 on a GPU
+    split = engine_memory(cfg, EngineShape(100, 4, gpus_per_worker=2, reserved_bytes=0))
+    assert split["weights"] == 2 * (1_638_624 + moe_layers * experts // 2)
+    assert split["kv_cache"] == 5 * 2 * 101 * 48 * 2  # each GPU caches half of the 4 slots
+
+
+def test_inference_worker_that_cannot_fit_is_refused_with_its_numbers():
+    """kimi-k2.5 on one H200 at 64 slots x 32768 tokens: the weights alone are over; a small model with
+    too many slots is told the largest --rollout-batch-size that fits."""
+    from megatron_composer.config import get_preset
+    from megatron_composer.planner.hardware import get_gpu
+    from megatron_composer.planner.inference import EngineShape, check_inference_worker_fits
+
+    h200 = get_gpu("h200").memory_bytes
+    with pytest.raises(ValueError) as exc:
+        check_inference_worker_fits(get_preset("kimi-k2.5"), EngineShape(32768, 64), h200, "kimi-k2.5")
+    text = str(exc.value)
+    weights = 2 * 1_026_408_209_408 / GiB  # Kimi K2.5's 1.03T parameters (MTP none) in bf16
+    cache = 61 * 64 * 32769 * (512 + 64) * 2 / GiB  # 61 layers x slots x positions x latent width
+    assert f"bf16 weights {weights:.1f} GiB" in text and f"latent KV cache {cache:.1f} GiB" in text
+    assert "64 slots x 32769 tokens" in text and "131.3 GiB" in text and "the weights alone do not fit" in text
+    small = get_preset("small")
+    check_inference_worker_fits(small, EngineShape(32768, 64), h200)  # fits: returns its memory
+    with pytest.raises(ValueError, match=r"use --rollout-batch-size (\d+) or less") as exc:
+        check_inference_worker_fits(small, EngineShape(32768, 4096), h200)
+    n = int(exc.value.args[0].split("--rollout-batch-size ")[1].split()[0])
+    check_inference_worker_fits(small, EngineShape(32768, n), h200)  # the suggested size fits, one more does not
+    with pytest.raises(ValueError):
+        check_inference_worker_fits(small, EngineShape(32768, n + 1), h200)
+
+
+def test_logprob_peak_is_what_the_policy_loss_holds():
+    """PolicyLoss.loss_sum on fp32 logits [T, V] (CPU): the live tensor storages it creates peak at
+    LOGPROB_FP32_TENSORS x T x V x 4 bytes (within 5%), what the plan counts for the unchunked path."""
+    import types
+
+    import torch
+
+    from megatron_composer.planner.rl import LOGPROB_FP32_TENSORS, logprob_bytes
+    from megatron_composer.rl.config import RLConfig
+    from megatron_composer.rl.loss import PolicyLoss
+
+    T, V = 512, 2048
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, T, V, generator=g, requires_grad=True)
+    zeros = torch.zeros(1, T)
+    batch = types.SimpleNamespace(labels=torch.randint(0, V, (1, T), generator=g), loss_mask=torch.ones(1, T),
+                                  tokens=torch.zeros(1, T, dtype=torch.long), ref_logp=zeros, old_logp=None,
+                                  advantages=torch.randn(1, T, generator=g), sampler_logp=zeros, normalizer_share=1.0)
+    loss = PolicyLoss(RLConfig())
+    peak = LivePeak()
+    with peak:
+        loss.loss_sum(batch, types.SimpleNamespace(logits=logits), None)
+    assert LOGPROB_FP32_TENSORS == 5 and logprob_bytes(_tiny_vocab(V), T, chunked=False) == 5 * T * V * 4
+    assert peak.peak == pytest.approx(5 * T * V * 4, rel=0.05), peak.peak
+
+
+def _tiny_vocab(vocab):
+    from megatron_composer.config import get_preset
+
+    return get_preset("tiny").replace(vocab_size=vocab)
+
+
+def _rl_setup(**changes):
+    from megatron_composer.config import get_preset
+    from megatron_composer.planner.hardware import get_gpu
+    from megatron_composer.planner.plan import PlanSetup
+    from megatron_composer.planner.rl import RLPlanSetup, RolloutShape
+
+    cluster = PlanSetup(get_preset("tiny"), stage="rl", nodes=1, gpus_per_node=8, gpu=get_gpu("h200"), cp=4,
+                        data_parallel_sharding="ddp", model_preset="tiny")
+    rollout = RolloutShape(prompt_tokens=1000, response_tokens=2001, prompts_per_step=4, group_size=8,
+                           rollout_batch_size=16, seq_length=4096, micro_batch_tokens=8192)
+    return RLPlanSetup(cluster, rollout, **changes)
+
+
+def test_rl_packing_reference_and_colocated_cache_by_hand():
+    """Samples of 3001 tokens pack two per 8192-token micro-batch (6002, padded to 2 x CP = 8: 6008); 32
+    samples over DP = 8 / CP 4 = 2 ranks are 8 micro-batches each; --kl-coef adds the fp32 reference of the
+    rank's EP share; the synchronous driver keeps the colocated engine's cache; async does not."""
+    from megatron_composer.planner.rl import make_rl_plan, micro_batches_per_rank, packed_length, trainer_memory
+
+    sync = _rl_setup()
+    assert packed_length(sync) == 6008 and micro_batches_per_rank(sync, 2) == 8
+    t = make_rl_plan(sync).trainer.setup
+    assert (t.seq, t.cp, t.dp, t.micro_batches, t.document_length) == (6008, 4, 2, 8, 3001)
+    memory, parts = trainer_memory(sync)
+    assert memory["reference_model"] == 0
+    assert memory["colocated_kv_cache"] == 5 * 16 * 4097 * 48 * 2  # layers + MTP, slots, positions, width, bf16
+    assert memory["transient"] == max(parts["logprobs"], parts["backward"])
+    assert parts["logprobs"] == 5 * (6008 // 4) * 4096 * 4
+    assert memory["total"] == sum(v for k, v in memory.items() if k != "total")
+    ref = trainer_memory(_rl_setup(kl_coef=0.1).replace(cluster=sync.cluster.replace(ep=2)))[0]
+    assert ref["reference_model"] == 4 * (1_638_624 + 4 * 8 * 3 * 128 * 96 // 2)  # dense + half the experts, fp32
+    plan = make_rl_plan(_rl_setup(kl_coef=0.1))
+    assert plan.trainer.flops["no_grad_forward"] == pytest.approx(plan.trainer.flops["model"] / 3)
+    workers = make_rl_plan(_rl_setup(inference_workers=4))
+    assert workers.trainer.setup.world_size == 4 and workers.trainer.memory["colocated_kv_cache"] == 0
+    assert workers.inference_memory["kv_cache"] == memory["colocated_kv_cache"]
+    assert workers.step_seconds == max(workers.rollout["rollout"], workers.trainer.step_seconds)
+    assert plan.step_seconds == plan.rollout["rollout"] + plan.trainer.step_seconds
+
+
+RL_SMALL = ["--stage", "rl", "--model-preset", "small", "--nodes", "4", "--cp", "8", "--data-parallel-sharding", "ddp",
+            "--trainer-ranks", "8", "--inference-workers", "16", "--seq-length", "32768", "--prompt-tokens", "2048",
+            "--prompts-per-step", "128", "--group-size", "16", "--rl-micro-batch-tokens", "65536"]
+
+
+def test_rl_cli_plans_trainer_and_inference(capsys):
+    """--stage rl: the small model's async layout fits (exit 0) with the trainer's and the inference
+    GPU's tables; kimi-k2.5 does not (exit 1), the advice naming the inference worker's numbers."""
+    main = _main()
+    assert main(RL_SMALL) == 0
+    text = capsys.readouterr().out
+    for line in ("memory per trainer GPU (rank 0)", "memory per inference GPU", "reference model", "latent KV cache",
+                 "log-probs or backward working set", "RL step (max of rollout, train)"):
+        assert line in text, line
+    assert main(RL_SMALL + ["--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    # small: 12 layers + 1 MTP layer, 64 slots of 32769 positions, latent 256 + rope 32, bf16
+    assert d["stage"] == "rl" and d["fits"] and d["inference_memory_bytes"]["kv_cache"] == 13 * 64 * 32769 * 288 * 2
+    kimi = [a if a != "small" else "kimi-k2.5" for a in RL_SMALL]
+    assert main(kimi) == 1
+    assert "an inference worker holds the whole model of kimi-k2.5" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prompt-tokens", "30000", "--response-tokens", "4000"], "= 34000 exceeds --seq-length 32768"),
+    (["--inference-workers", "30"], "need 38 GPUs; 4 x 8 has 32"),
+    (["--rl-micro-batch-tokens", "16384"], "--rl-micro-batch-tokens 16384 is below --seq-length 32768"),
+    (["--global-batch-size", "64"], "drop --micro-batch-size / --global-batch-size"),
+], ids=["rollout", "gpus", "micro", "batch"])
+def test_rl_bad_input_exits_2_naming_the_value(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        _main()(RL_SMALL + argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and message in err, err
+
+
+def test_async_start_up_check_reads_the_workers_gpu(monkeypatch):
+    """`check_local_inference_worker` (the async driver's start-up check, run on an inference GPU): the
+    model config as the trainer describes it (a dict), against the device's memory; no GPU, no check."""
+    import dataclasses
+
+    import torch
+
+    from megatron_composer.config import get_preset
+    from megatron_composer.planner.inference import check_local_inference_worker
+
+    kimi = dataclasses.asdict(get_preset("kimi-k2.5"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    check_local_inference_worker(kimi, 32768, 64)  # a CPU worker: nothing to check
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"total_memory": 141 * 10**9}))
+    with pytest.raises(ValueError, match=r"needs 3828.7 GiB but the GPU has 131.3 GiB"):
+        check_local_inference_worker(kimi, 32768, 64)
+    check_local_inference_worker(dataclasses.asdict(get_preset("small")), 32768, 64)

@@ -362,3 +362,42 @@ def test_convert_recipe_runs_at_tiny_scale(cpt_32k, tmp_path):
     assert _tracked_iteration(tmp_path / "ckpt" / "base") == "0"
     out, calls = run_recipe("convert.sbatch", tmp_path / "again", LOAD=tmp_path / "hf", CKPT=tmp_path / "ckpt")
     assert out.returncode == 0 and "already converted" in out.stdout and not [c for c in calls if c[0] == "srun"]
+
+
+# ---- 5. the RL recipe's layout fits the planner ------------------------------------------------------
+def _sbatch_option(name: str, option: str) -> int:
+    """An integer `#SBATCH --option=N` of a recipe."""
+    for line in (SLURM / name).read_text().splitlines():
+        if line.startswith(f"#SBATCH --{option}="):
+            return int(line.split("=", 1)[1])
+    raise AssertionError(f"{name} has no #SBATCH --{option}")
+
+
+def _rl_recipe_plan(tmp_path, **env):
+    from megatron_composer.planner.rl import make_rl_plan
+    from megatron_composer.rl.arguments import parse_rl_args
+
+    _, argv = recipe_command("rl.sbatch", tmp_path, **env)
+    run = parse_rl_args(argv)
+    setup = entry_module("tools/plan.py").rl_setup_from_run(
+        run, nodes=_sbatch_option("rl.sbatch", "nodes"), gpus_per_node=_sbatch_option("rl.sbatch", "gpus-per-node"),
+        gpu="h200")
+    return run, make_rl_plan(setup)
+
+
+def test_rl_recipe_layout_fits_the_planner(tmp_path):
+    """tools/plan.py --stage rl on rl.sbatch's own command (its defaults, its #SBATCH nodes, H200): the
+    trainer ranks and the inference workers fit, on the GPUs the job asks for."""
+    from megatron_composer.planner.report import format_rl_text
+
+    run, plan = _rl_recipe_plan(tmp_path)
+    assert plan.setup.inference_workers == run.async_rl.inference_workers >= 1
+    assert plan.setup.trainer_world == run.async_rl.trainer_ranks and plan.trainer.setup.cp == 8
+    assert plan.fits, format_rl_text(plan)
+
+
+def test_kimi_in_the_rl_recipe_is_refused_by_the_planner(tmp_path):
+    """MODEL_PRESET=kimi-k2.5: a whole model per inference GPU cannot fit; the plan says why with numbers."""
+    _, plan = _rl_recipe_plan(tmp_path, MODEL_PRESET="kimi-k2.5")
+    assert not plan.inference_fits and not plan.fits
+    assert any("1911.8 GiB" in line and "inference worker" in line for line in plan.advice), plan.advice

@@ -10,6 +10,10 @@
 * `comm.py`: bytes per collective per step (estimate, from the trainer's collectives);
 * `hardware.py`: GPU kinds with datasheet defaults;
 * `advice.py`: which knob makes a layout fit;
+* `rl.py`: RL (`make_rl_plan(RLPlanSetup(...))`): the trainer ranks with the
+  reference model and the log-prob peak, the inference workers, the rollout;
+* `inference.py`: one rollout engine's weights, latent cache and decode time,
+  and the start-up check that refuses an inference worker that cannot fit;
 * `report.py`: text tables and JSON.
 
 No library computes these figures for this trainer's layers and dual
@@ -25,11 +29,14 @@ from .activations import (
     layer_activations,
 )
 from .hardware import GPUS, GPUSpec, get_gpu
+from .inference import EngineShape, check_inference_worker_fits, engine_memory, kv_cache_bytes
 from .plan import Plan, PlanSetup, make_plan, plan_memory
+from .rl import RLPlan, RLPlanSetup, RolloutShape, make_rl_plan
 from .states import StateBytes, default_dense_shard_size, optimizer_kinds, state_bytes
 
 __all__ = [
-    "ActivationPlan", "ActivationSetup", "GPUS", "GPUSpec", "ParamEntry", "Plan", "PlanSetup", "StateBytes",
-    "activation_plan", "default_dense_shard_size", "get_gpu", "layer_activations", "make_plan",
-    "optimizer_kinds", "parameter_inventory", "plan_memory", "state_bytes",
+    "ActivationPlan", "ActivationSetup", "EngineShape", "GPUS", "GPUSpec", "ParamEntry", "Plan", "PlanSetup",
+    "RLPlan", "RLPlanSetup", "RolloutShape", "StateBytes", "activation_plan", "check_inference_worker_fits",
+    "default_dense_shard_size", "engine_memory", "get_gpu", "kv_cache_bytes", "layer_activations", "make_plan",
+    "make_rl_plan", "optimizer_kinds", "parameter_inventory", "plan_memory", "state_bytes",
 ]

@@ -9,7 +9,8 @@ Exact: parameters, fp32 main weights, gradients and optimizer state
 (`planner.states`). Estimated: activations and buffers (`planner.activations`),
 communication volumes (`planner.comm`), and the step time:
 
-    compute   = (model FLOPs + recomputed forward + CP's redundant K/V up-projection) / (peak x MFU)
+    compute   = (model FLOPs + recomputed forward + CP's redundant K/V up-projection
+                 + no-grad forwards) / (peak x MFU)
     optimizer = Newton-Schulz FLOPs / (peak x MFU)         (Muon; each block once, on its owner)
     step      = max(compute, overlapped NVLink traffic, overlapped InfiniBand traffic)
                 + exposed traffic + optimizer
@@ -77,6 +78,9 @@ class PlanSetup:
     gpu_memory_bytes: Optional[int] = None  # default: the GPU's
     reserved_bytes: int = 5 * GiB  # CUDA context, NCCL buffers, allocator fragmentation
     nvlink_domain: Optional[int] = None  # default: the GPU's, else the node
+    # packed documents (RL's samples): attention spans one document of this many tokens (default: the sequence)
+    document_length: Optional[int] = None
+    forward_passes: int = 0  # no-grad forwards over the step's tokens besides training (RL: reference, old log-probs)
 
     def replace(self, **changes) -> "PlanSetup":
         return dataclasses.replace(self, **changes)
@@ -97,6 +101,11 @@ class PlanSetup:
     @property
     def shard(self) -> int:
         return self.dense_shard_size or default_dense_shard_size(self.world_size, self.cp)
+
+    @property
+    def context(self) -> int:
+        """Tokens one attention spans: a packed document, else the whole sequence."""
+        return self.document_length or self.seq
 
     @property
     def global_batch(self) -> int:
@@ -222,12 +231,12 @@ def _recompute_flops_per_token(c: ModelConfig, s: PlanSetup) -> float:
     r = s.recompute
     h, H = c.hidden_size, c.num_attention_heads
     dq = c.qk_head_dim + c.qk_pos_emb_head_dim
-    attention = 2 * H * (dq + c.v_head_dim) * (s.seq / 2)
+    attention = 2 * H * (dq + c.v_head_dim) * (s.context / 2)
     up = c.kv_lora_rank * H * (c.qk_head_dim + c.v_head_dim) + (c.q_lora_rank or h) * H * dq
     moe = 3 * h * c.moe_ffn_hidden_size * c.moe_router_topk + 3 * h * c.moe_shared_expert_intermediate_size
     layers = c.num_layers + c.mtp_num_layers
     if r.recompute_granularity == "full":
-        forward = training_flops_per_token(c, s.seq) / 3 - 2 * c.vocab_size * h
+        forward = training_flops_per_token(c, s.context) / 3 - 2 * c.vocab_size * h
         share = 1.0 if r.recompute_method == "uniform" else min(r.recompute_num_layers or 0, c.num_layers) / layers
         return forward * share
     if r.recompute_granularity != "selective":
@@ -246,8 +255,9 @@ def _recompute_flops_per_token(c: ModelConfig, s: PlanSetup) -> float:
 def _timing(s: PlanSetup, inventory, comms: list[Collective]) -> tuple[dict, dict]:
     c, world = s.model, s.world_size
     tokens_per_gpu = s.global_batch * s.seq / world
-    model = training_flops_per_token(c, s.seq) * tokens_per_gpu
+    model = training_flops_per_token(c, s.context) * tokens_per_gpu
     recompute = _recompute_flops_per_token(c, s) * tokens_per_gpu
+    no_grad_forward = s.forward_passes * model / 3
     kv_up = c.kv_lora_rank * c.num_attention_heads * (c.qk_head_dim + c.v_head_dim)
     cp_kv = 3 * 2 * kv_up * (s.cp - 1) * (c.num_layers + c.mtp_num_layers) * tokens_per_gpu
     ns_dense = ns_experts = 0.0
@@ -256,11 +266,12 @@ def _timing(s: PlanSetup, inventory, comms: list[Collective]) -> tuple[dict, dic
         if s.data_parallel_sharding == "hsdp":  # each block once, on its owner
             ns_dense, ns_experts = ns_dense / s.shard, ns_experts / (world // s.ep)
     flops = {"model": model, "recompute": recompute, "cp_kv_up_projection": cp_kv,
-             "newton_schulz": ns_dense + ns_experts}
+             "no_grad_forward": no_grad_forward, "newton_schulz": ns_dense + ns_experts}
     mfu = s.mfu or s.gpu.mfu
     rate = s.gpu.bf16_tflops * 1e12 * mfu
     link = {True: s.gpu.ib_gbps * 1e9, False: s.gpu.nvlink_gbps * 1e9}
-    seconds = {"compute": (model + recompute + cp_kv) / rate, "optimizer": flops["newton_schulz"] / rate,
+    seconds = {"compute": (model + recompute + cp_kv + no_grad_forward) / rate,
+               "optimizer": flops["newton_schulz"] / rate,
                "nvlink_overlapped": 0.0, "ib_overlapped": 0.0, "exposed_communication": 0.0}
     for col in comms:
         t = col.bytes_per_step / link[col.inter_node]
