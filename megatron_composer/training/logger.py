@@ -1,6 +1,7 @@
 """Training logs: Megatron-format stdout lines, TensorBoard, and wandb (offline by default)."""
 from __future__ import annotations
 
+import numbers
 import os
 import time
 from typing import Optional
@@ -16,6 +17,12 @@ def megatron_line(iteration: int, train_iters: int, metrics: dict) -> str:
             text = str(value)
         parts.append(f"{key}: {text}")
     return " | ".join(parts) + " |"
+
+
+def _is_scalar(value) -> bool:
+    if isinstance(value, numbers.Number):
+        return True
+    return hasattr(value, "numel") and value.numel() == 1  # a one-element tensor or array
 
 
 class TrainingLogger:
@@ -54,13 +61,16 @@ class TrainingLogger:
         self.scalars(iteration, scalars)
 
     def scalars(self, iteration: int, scalars: dict) -> None:
+        """The numbers of `scalars` to TensorBoard and wandb; text values (e.g. an evaluation's
+        "stops": "finish 3, max_turns 1") are for the printed lines only."""
         if self.rank != 0:
             return
-        for key, value in scalars.items():
-            if self.tb is not None:
+        numbers = {k: v for k, v in scalars.items() if _is_scalar(v)}
+        if self.tb is not None:
+            for key, value in numbers.items():
                 self.tb.add_scalar(key, value, iteration)
         if self.wandb is not None:
-            self.wandb.log(scalars, step=iteration)
+            self.wandb.log(numbers, step=iteration)
 
     def log_iteration(self, trainer, window: list) -> None:
         """The Megatron line (and TensorBoard / wandb scalars) for the steps in
