@@ -104,8 +104,10 @@ class AsyncRLRunner:
         self.version, self.train_iters = info["iteration"], info["train_iters"]
         spec = RolloutSpec(rl, info["tokenizer_model"], info["seq_length"], info["seed"], info["tasks"],
                            long_tail=args.rollout_long_tail, server_url=args.rollout_server)
-        if per_gpu["num_gpus"] and not args.rollout_server:  # a whole model per GPU: refuse one that cannot fit
-            ray.get(ray.remote(num_gpus=1)(check_local_inference_worker).remote(
+        if placement.gpus and args.inference_workers and not args.rollout_server:
+            # a whole model per GPU: refuse one that cannot fit, on the first inference worker's GPU
+            ray.get(ray.remote(check_local_inference_worker).options(
+                **actor_options(self.groups, "inference", 0)).remote(
                 info["model_config"], info["seq_length"], rl.rollout.rollout_batch_size))
         restart = {"num_cpus": 0, "max_restarts": -1, "max_task_retries": 0}
         infer_cls = ray.remote(**restart)(InferenceWorker)
