@@ -20,7 +20,11 @@ upcasts or copies whole logits L = [b, s, v], which stay in the model's dtype
    `overwrite_logits` it writes into L's own storage (the output layer's
    backward needs the gradient, not its output), else into one new L-sized
    buffer. Writing in backward is what lets the MTP teacher read the same
-   main logits during the forward of the MTP loss.
+   main logits during the forward of the MTP loss. The function is per
+   position and takes a temperature, CE(z_t / T): `cross_entropy_sum`
+   weights and sums it; `token_log_probs` (the RL policy's log-probs at the
+   sampling temperature) negates it and can return the entropy of
+   softmax(z_t / T) from the same pass over the logits (no gradient).
    `fusion=True` (`--cross-entropy-loss-fusion`) takes the forward statistics
    from megatron-core's fused vocab-parallel cross-entropy
    (`fusions/fused_cross_entropy.py`), chunk by chunk. We do not call its
@@ -39,7 +43,9 @@ upcasts or copies whole logits L = [b, s, v], which stay in the model's dtype
    which the cross-entropy's backward overwrites, so it computes its
    closed-form student gradient (q - p) * weight during the forward: into
    the student's own storage with `overwrite_logits`, else into a new
-   buffer; backward only scales it by the upstream scalar.
+   buffer; backward only scales it by the upstream scalar. The per-chunk KL
+   is the caller's (`kl_chunk`): the RL feedback KL (`rl.feedback_loss`)
+   runs through the same loop.
 4. The teacher under context parallelism: the zigzag `cp_shift_left` builds
    a shifted teacher, one L-sized copy in L's dtype that lives for the KL's
    forward (and briefly two more inside `cp_shift_left`: its concatenated
@@ -238,10 +244,11 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         if need_grad:
             ctx.save_for_backward(logits, labels, lse)
             ctx.overwrite, ctx.shard, ctx.temperature = overwrite, shard, temperature
-        if entropy:
-            ctx.mark_non_differentiable(h)
-            return loss.transpose(0, 1), h.transpose(0, 1)
-        return loss.transpose(0, 1)
+        if not entropy:
+            return loss.transpose(0, 1)
+        h = h.transpose(0, 1)
+        ctx.mark_non_differentiable(h)
+        return loss.transpose(0, 1), h
 
     @staticmethod
     def backward(ctx, grad_loss, *grad_entropy):
