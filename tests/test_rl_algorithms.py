@@ -13,6 +13,7 @@ from megatron_composer.rl.algorithms import (
     kl_penalized_rewards,
     policy_gradient_loss,
 )
+from megatron_composer.training.losses import token_log_probs
 
 REWARDS = torch.tensor([[1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, 5.0]], dtype=torch.float64)
 
@@ -219,9 +220,10 @@ def test_kl_in_the_loss_and_kl_metric():
 
 def test_entropy_metric_over_masked_tokens():
     logits = torch.log(torch.tensor([[0.25, 0.25, 0.25, 0.25], [0.5, 0.25, 0.125, 0.125], [1.0, 1e-9, 1e-9, 1e-9]]))
+    _, entropy = token_log_probs(logits[None], torch.zeros(1, 3, dtype=torch.long), entropy=True)
     logp = _leaf([-1.0, -1.0, -1.0])
     _, metrics = policy_gradient_loss(logp, logp.detach(), torch.ones(3), torch.tensor([1, 1, 0]),
-                                      normalizer=1.0, logits=logits)
+                                      normalizer=1.0, entropy=entropy[0])
     # H = ln 4 = 2 ln 2 and 0.5 ln 2 + 0.25 ln 4 + 2 * 0.125 ln 8 = 1.75 ln 2; the third row is masked out
     close(metrics["entropy"], (2 + 1.75) / 2 * math.log(2), 1e-6)
 
@@ -239,8 +241,9 @@ def test_masked_out_positions_cannot_poison_the_loss():
     close(logp.grad, [-0.5, -0.5, 0.0])
     assert all(torch.isfinite(v) for v in metrics.values())
     logits = torch.tensor([[0.0, 1.0], [1.0, 0.0], [float("nan"), 0.0]])
+    _, entropy = token_log_probs(logits[None], torch.zeros(1, 3, dtype=torch.long), entropy=True)
     _, metrics = policy_gradient_loss(logp, old, torch.ones(3), torch.tensor([1, 1, 0]), normalizer=2.0,
-                                      logits=logits)
+                                      entropy=entropy[0])
     assert torch.isfinite(metrics["entropy"])
 
 

@@ -29,6 +29,8 @@ from typing import Optional
 
 import torch
 
+from ..training.losses import token_log_probs
+
 
 def sampling_logprobs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """Log-probabilities of the distribution tokens are sampled from.
@@ -79,8 +81,9 @@ def temperature_logprobs(logits: torch.Tensor, temperature: float) -> torch.Tens
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
     """log_softmax(logits / T)[labels], per row; differentiable in logits; T = 1 when greedy.
 
-    The same values as `temperature_logprobs(logits, T).gather(-1, labels)`,
-    without keeping the [n, vocab] log-probs for backward.
+    The same values as `temperature_logprobs(logits, T).gather(-1, labels)`, computed
+    in chunks of rows (`training.losses.token_log_probs`): fp32 lives one chunk at a
+    time, and the gradient is written in the logits' dtype.
 
     Args:
         logits: [n, vocab] (any float dtype; computed in float32).
@@ -89,8 +92,7 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: floa
     Returns:
         [n] float32.
     """
-    scaled = logits.float() / logprob_temperature(temperature)
-    return -torch.nn.functional.cross_entropy(scaled, labels, reduction="none")
+    return token_log_probs(logits[None], labels[None], logprob_temperature(temperature))[0]
 
 
 def sample(logprobs: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:

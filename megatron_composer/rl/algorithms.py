@@ -156,13 +156,6 @@ def default_normalizer(num_samples: int, max_new_tokens: int) -> float:
     return float(num_samples * max_new_tokens)
 
 
-def token_entropy(logits: Tensor) -> Tensor:
-    """H_t = logsumexp(z_t) - sum_v softmax(z_t)_v z_tv, per row of logits [T, V]. Returns [T] float32."""
-    logits = logits.float()
-    logp = torch.log_softmax(logits, dim=-1)
-    return -(logp.exp() * logp).sum(dim=-1)
-
-
 def policy_gradient_loss(
     logp: Tensor,
     old_logp: Optional[Tensor],
@@ -174,7 +167,7 @@ def policy_gradient_loss(
     clip_eps_high: Optional[float] = None,
     sampler_logp: Optional[Tensor] = None,
     tis_cap: Optional[float] = None,
-    logits: Optional[Tensor] = None,
+    entropy: Optional[Tensor] = None,
     ref_logp: Optional[Tensor] = None,
     kl_coef: float = 0.0,
     kl_kind: str = "k1",
@@ -203,12 +196,14 @@ def policy_gradient_loss(
                   default when clip_eps_low is None); clip_eps_high defaults to clip_eps_low.
     sampler_logp: [T], log-probs under the policy that sampled the tokens.
     tis_cap:      the cap of the importance weight against the sampler (None: no TIS).
-    logits:       [T, V], only for the entropy metric.
+    entropy:      [T], each token's entropy of the policy's next-token distribution, only for the
+                  "entropy" metric (`training.losses.token_log_probs(..., entropy=True)` computes it
+                  with the log-probs, without [T, V] fp32 temporaries).
     ref_logp:     [T], log pi_ref; enables the "kl" metric, and the KL loss term when kl_coef != 0.
 
     Returns (loss, metrics). metrics are detached 0-d tensors, means over masked-in tokens:
     the policy loss's ("ratio_mean", "clip_fraction", "tis_weight_mean" where a weight applies),
-    "loss" (the total), "entropy" (with logits), "kl" (with ref_logp).
+    "loss" (the total), "entropy" (when entropy is given), "kl" (with ref_logp).
     """
     if clip_eps_high is not None and clip_eps_low is None:
         raise ValueError(f"clip_eps_high={clip_eps_high} given without clip_eps_low; pass clip_eps_low too")
@@ -227,9 +222,9 @@ def policy_gradient_loss(
             loss = loss + kl_coef * torch.where(keep, kl, 0.0).sum() / normalizer
         metrics["kl"] = masked_mean(kl.detach(), mask)
     metrics["loss"] = loss.detach()
-    if logits is not None:
-        if logits.shape[:-1] != logp.shape:
-            raise ValueError(f"logits shape {tuple(logits.shape)} must be logp shape {tuple(logp.shape)} + [V]")
-        with torch.no_grad():
-            metrics["entropy"] = masked_mean(token_entropy(logits.detach()), mask.float())
+    if entropy is not None:
+        if entropy.shape != logp.shape:
+            raise ValueError(f"entropy shape {tuple(entropy.shape)} != logp shape {tuple(logp.shape)}; "
+                             "pass one entropy per token")
+        metrics["entropy"] = masked_mean(entropy.detach().float(), mask.float())
     return loss, metrics

@@ -31,6 +31,11 @@ Teacher log-probs are computed before the step (`FeedbackTeacher.annotate`)
 and travel with the packed micro-batch: `feedback_rows` [1, T] (-1: not a
 target position, else a row of `feedback_table`), and the table holds only
 the target positions' rows.
+
+The loss never holds the student's fp32 log-probs of all target positions at
+once: `feedback_kl_sum` runs `feedback_kl` on chunks of target positions with
+autograd inside each chunk and keeps only the gradient, in the logits' dtype,
+written over the gathered student rows (`training.losses.ChunkedDistillation`).
 """
 from __future__ import annotations
 
@@ -42,6 +47,7 @@ import torch
 
 from ..parallel.wrappers import unwrap
 from ..training.batches import Batch
+from ..training.losses import ChunkedDistillation
 from .feedback import teacher_context
 from .packing import pack_micro_batches
 
@@ -74,6 +80,44 @@ def feedback_kl(student_logits: torch.Tensor, teacher_logp: torch.Tensor,
         p_s = log_s.exp()
         terms = torch.where(p_s > 0, p_s * (log_s - teacher_logp), torch.zeros_like(log_s))
     return terms.sum(-1)
+
+
+def feedback_kl_sum(student_logits: torch.Tensor, teacher_logp: torch.Tensor,
+                    teacher_index: Optional[torch.Tensor] = None, direction: str = "reverse", *,
+                    rows: Optional[torch.Tensor] = None, overwrite_logits: bool = False) -> torch.Tensor:
+    """sum over the student rows of `feedback_kl`, chunked over rows (`training.losses.chunk_rows`).
+
+    Each chunk's KL and its gradient are computed together in the forward (autograd on the
+    chunk, the same operations as `feedback_kl` on all rows); only the gradient is kept, in
+    student_logits' dtype. fp32 temporaries are a few chunks, never [N, V].
+
+    student_logits: [N, V] any float dtype.
+    teacher_logp, teacher_index: the teacher's table, as in `feedback_kl` ([M, V] or [M, K + 1],
+        and [M, K] or None).
+    rows: [N] int64, the table row of each student row (None: row i of the table, M = N).
+    overwrite_logits: the gradient is written over `student_logits` during this call (their
+        values are gone afterwards); for a copy nothing else reads, such as gathered rows.
+    Returns a float32 scalar (float64 for float64 logits), differentiable in `student_logits`.
+    """
+    if direction not in KL_DIRECTIONS:
+        raise ValueError(f"--feedback-kl {direction!r}; use one of {', '.join(KL_DIRECTIONS)}")
+    n = student_logits.shape[0]
+    table = torch.arange(n, device=teacher_logp.device) if rows is None else rows.to(teacher_logp.device)
+
+    def kl_chunk(x, p0, p1, out):  # x, out [c, 1, V]: rows p0..p1, position-major
+        picked = table[p0:p1]
+        teacher = (teacher_logp[picked], None if teacher_index is None else teacher_index[picked])
+        z = x[:, 0].detach()
+        if out is None:
+            return feedback_kl(z, *teacher, direction).sum()
+        with torch.enable_grad():
+            total = feedback_kl(z.requires_grad_(), *teacher, direction).sum()
+            grad, = torch.autograd.grad(total, z)
+        out[:, 0].copy_(grad)
+        return total.detach()
+
+    need_grad = student_logits.requires_grad and torch.is_grad_enabled()
+    return ChunkedDistillation.apply(student_logits[None], kl_chunk, n, overwrite_logits, None, need_grad)
 
 
 def teacher_rows(logits: torch.Tensor, topk: int = 0) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -214,7 +258,6 @@ class FeedbackLoss:
             return torch.zeros((), device=batch.tokens.device)
         at = (rows[0] >= 0).nonzero().squeeze(1)
         table = batch.feedback_table
-        picked = rows[0, at]
-        kl = feedback_kl(out.logits[0, at], table.logp[picked],
-                         None if table.index is None else table.index[picked], self.direction)
-        return kl.sum()
+        # out.logits[0, at] is a copy of the target rows that only this loss reads: its gradient goes there
+        return feedback_kl_sum(out.logits[0, at], table.logp, table.index, self.direction, rows=rows[0, at],
+                               overwrite_logits=True)

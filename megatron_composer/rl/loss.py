@@ -7,6 +7,13 @@ split into micro-batches and ranks. `loss_sum` recomputes log pi(x_{t+1})
 from the logits at the sampling temperature (log_softmax(z / T), the
 distribution the sampler drew from) and hands it to the policy loss.
 
+The log-probs and the entropy metric come from one pass over the logits in
+chunks of positions (`training.losses.token_log_probs`): fp32 lives one chunk
+at a time, and backward writes d loss / d logits into the logits' own storage
+(`overwrite_logits`, as the LM loss does; `training.loss_plugins.ModelOutput`).
+Everything after that (ratios, clipping, TIS, the KL to the reference) is
+per-token [T] math on the log-probs.
+
 old_logp: the log-probs the trainer computed under the weights before the
 step's first update (`RLBatch.old_logp`, with `--ppo-mini-batches N > 1`);
 without them it is logp detached (ratio 1: one update on fresh rollouts),
@@ -19,7 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..inference.sampling import token_logprobs
+from ..inference.sampling import logprob_temperature
+from ..training.losses import token_log_probs
 from .algorithms import policy_gradient_loss
 from .config import RLConfig
 
@@ -42,9 +50,9 @@ class PolicyLoss:
 
     def loss_sum(self, batch, out, shift):
         cfg = self.cfg
-        logits = out.logits[0]  # [T, V]
-        labels, mask = batch.labels[0], batch.loss_mask[0]
-        logp = token_logprobs(logits, labels, cfg.rollout.temperature)
+        logp, entropy = token_log_probs(out.logits, batch.labels, logprob_temperature(cfg.rollout.temperature),
+                                        entropy=True, overwrite_logits=True)
+        logp, entropy, mask = logp[0], entropy[0], batch.loss_mask[0]
         kl_in_loss = cfg.algorithm.kl_coef if cfg.algorithm.kl_placement == "loss" else 0.0
         ref = batch.ref_logp[0] if batch.ref_logp is not None else None
         use_tis = cfg.algorithm.tis_cap is not None
@@ -53,7 +61,7 @@ class PolicyLoss:
             logp, old_logp, batch.advantages[0], mask, normalizer=1.0,
             clip_eps_low=cfg.algorithm.clip_eps_low, clip_eps_high=cfg.algorithm.clip_eps_high,
             sampler_logp=batch.sampler_logp[0] if use_tis else None, tis_cap=cfg.algorithm.tis_cap if use_tis else None,
-            logits=logits.float() / cfg.rollout.temperature, ref_logp=ref, kl_coef=kl_in_loss, kl_kind=cfg.algorithm.kl_kind,
+            entropy=entropy, ref_logp=ref, kl_coef=kl_in_loss, kl_kind=cfg.algorithm.kl_kind,
             policy_loss=cfg.algorithm.policy_loss)
         keep = mask.bool()
         tokens = float(keep.sum())

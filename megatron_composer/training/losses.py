@@ -20,7 +20,11 @@ upcasts or copies whole logits L = [b, s, v], which stay in the model's dtype
    `overwrite_logits` it writes into L's own storage (the output layer's
    backward needs the gradient, not its output), else into one new L-sized
    buffer. Writing in backward is what lets the MTP teacher read the same
-   main logits during the forward of the MTP loss.
+   main logits during the forward of the MTP loss. The function is per
+   position and takes a temperature, CE(z_t / T): `cross_entropy_sum`
+   weights and sums it; `token_log_probs` (the RL policy's log-probs at the
+   sampling temperature) negates it and can return the entropy of
+   softmax(z_t / T) from the same pass over the logits (no gradient).
    `fusion=True` (`--cross-entropy-loss-fusion`) takes the forward statistics
    from megatron-core's fused vocab-parallel cross-entropy
    (`fusions/fused_cross_entropy.py`), chunk by chunk. We do not call its
@@ -39,7 +43,9 @@ upcasts or copies whole logits L = [b, s, v], which stay in the model's dtype
    which the cross-entropy's backward overwrites, so it computes its
    closed-form student gradient (q - p) * weight during the forward: into
    the student's own storage with `overwrite_logits`, else into a new
-   buffer; backward only scales it by the upstream scalar.
+   buffer; backward only scales it by the upstream scalar. The per-chunk KL
+   is the caller's (`kl_chunk`): the RL feedback KL (`rl.feedback_loss`)
+   runs through the same loop.
 4. The teacher under context parallelism: the zigzag `cp_shift_left` builds
    a shifted teacher, one L-sized copy in L's dtype that lives for the KL's
    forward (and briefly two more inside `cp_shift_left`: its concatenated
@@ -180,6 +186,21 @@ def log_softmax_over_shards(x: torch.Tensor, shard: VocabShard) -> torch.Tensor:
     return shifted.sub_(sum_exp.log_())
 
 
+def scaled_chunk(x: torch.Tensor, temperature: float) -> torch.Tensor:
+    """x / temperature: x itself at temperature 1 (the per-chunk math upcasts it), else a new fp32 chunk."""
+    return x if temperature == 1.0 else x.float() / temperature
+
+
+def softmax_entropy(x: torch.Tensor, shard: VocabShard) -> torch.Tensor:
+    """H(softmax(x)) = -sum_v p_v log p_v per position over the whole vocabulary, fp32 [c, b].
+
+    x [c, b, v_local] any float dtype (not modified). The same operations as
+    -(exp(l) * l).sum(-1) with l = log_softmax(x.float()), row by row.
+    """
+    logp = log_softmax_over_shards(x, shard)
+    return shard.all_reduce(-(logp.exp() * logp).sum(-1), dist.ReduceOp.SUM)
+
+
 def distillation_kl_chunk(student: torch.Tensor, teacher: torch.Tensor, weight: torch.Tensor,
                           out: Optional[torch.Tensor], shard: VocabShard) -> torch.Tensor:
     """sum_t weight_t * KL(p_t || q_t) of one chunk (this shard's terms); out <- weight * (q - p).
@@ -204,49 +225,62 @@ def _chunks(s: int, step: int):
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
-    """sum_t weight_t * CE(logits_t, label_t); the gradient is computed in backward (see module doc)."""
+    """Per position CE(logits_t / temperature, label_t), and with `entropy` the entropy of
+    softmax(logits_t / temperature) (no gradient); the gradient is computed in backward (module doc)."""
 
     @staticmethod
-    def forward(ctx, logits, labels, weight, fusion: bool, overwrite: bool, group, need_grad: bool):
+    def forward(ctx, logits, labels, temperature: float, fusion: bool, overwrite: bool, group, need_grad: bool,
+                entropy: bool):
         x, labels = logits.transpose(0, 1), labels.transpose(0, 1)  # position-major, see module doc
-        weight = weight.transpose(0, 1).float() * (labels != -100)
         shard = VocabShard.of(x.shape[-1], group)
         statistics = megatron_cross_entropy_statistics if fusion else cross_entropy_statistics
-        lse = torch.empty(x.shape[:2], dtype=torch.float32, device=x.device)
-        total = torch.zeros((), dtype=torch.float32, device=x.device)
+        loss, lse = (torch.empty(x.shape[:2], dtype=torch.float32, device=x.device) for _ in range(2))
+        h = torch.empty_like(lse) if entropy else None
         for p0, p1 in _chunks(x.shape[0], chunk_rows(x)):
-            loss, lse[p0:p1] = statistics(x[p0:p1], labels[p0:p1], shard)
-            total += (loss * weight[p0:p1]).sum()
+            chunk = scaled_chunk(x[p0:p1], temperature)
+            loss[p0:p1], lse[p0:p1] = statistics(chunk, labels[p0:p1], shard)
+            if entropy:
+                h[p0:p1] = softmax_entropy(chunk, shard)
         if need_grad:
-            ctx.save_for_backward(logits, labels, weight, lse)
-            ctx.overwrite, ctx.shard = overwrite, shard
-        return total
+            ctx.save_for_backward(logits, labels, lse)
+            ctx.overwrite, ctx.shard, ctx.temperature = overwrite, shard, temperature
+        if not entropy:
+            return loss.transpose(0, 1)
+        h = h.transpose(0, 1)
+        ctx.mark_non_differentiable(h)
+        return loss.transpose(0, 1), h
 
     @staticmethod
-    def backward(ctx, grad_total):
-        logits, labels, weight, lse = ctx.saved_tensors
+    def backward(ctx, grad_loss, *grad_entropy):
+        logits, labels, lse = ctx.saved_tensors
         grad = logits if ctx.overwrite else torch.empty_like(logits)
-        x, g, scale = logits.transpose(0, 1), grad.transpose(0, 1), weight * grad_total
+        x, g = logits.transpose(0, 1), grad.transpose(0, 1)
+        scale = grad_loss.transpose(0, 1).float() / ctx.temperature  # d(z / T) / dz
         for p0, p1 in _chunks(x.shape[0], chunk_rows(x)):
-            cross_entropy_gradient(x[p0:p1], labels[p0:p1], lse[p0:p1], scale[p0:p1], ctx.shard, g[p0:p1])
-        return grad, None, None, None, None, None, None
+            cross_entropy_gradient(scaled_chunk(x[p0:p1], ctx.temperature), labels[p0:p1], lse[p0:p1],
+                                   scale[p0:p1], ctx.shard, g[p0:p1])
+        return grad, None, None, None, None, None, None, None
 
 
 class ChunkedDistillation(torch.autograd.Function):
-    """sum_t weight_t * KL(softmax(teacher_{t+offset}) || softmax(student_t)); the student
-    gradient is computed in forward, backward scales it (see module doc)."""
+    """A KL summed over the first `rows` student positions, whose student gradient `kl_chunk` computes
+    chunk by chunk with its value during the forward; backward scales it (see module doc).
+
+    kl_chunk(x, p0, p1, out) -> scalar: the chunk x = student positions [p0, p1)
+    (position-major [c, b, v_local]) of sum_t weight_t * KL_t (this shard's terms), writing
+    d(that sum) / dx into `out` (same shape, may be x itself: written last) unless out is None.
+    Returns the sum over chunks (and shards), float32 (float64 for a float64 student).
+    """
 
     @staticmethod
-    def forward(ctx, student, teacher, weight, offset: int, overwrite: bool, group, need_grad: bool):
-        x, t, weight = student.transpose(0, 1), teacher.transpose(0, 1), weight.transpose(0, 1).float()
+    def forward(ctx, student, kl_chunk: Callable, rows: int, overwrite: bool, group, need_grad: bool):
+        x = student.transpose(0, 1)
         shard = VocabShard.of(x.shape[-1], group)
-        rows = max(x.shape[0] - offset, 0)  # positions that have a teacher row
         grad = (student if overwrite else torch.empty_like(student)) if need_grad else None
         g = grad.transpose(0, 1) if need_grad else None
-        total = torch.zeros((), dtype=torch.float32, device=x.device)
+        total = torch.zeros((), dtype=torch.promote_types(student.dtype, torch.float32), device=x.device)
         for p0, p1 in _chunks(rows, chunk_rows(x)):
-            total += distillation_kl_chunk(x[p0:p1], t[p0 + offset:p1 + offset], weight[p0:p1],
-                                           g[p0:p1] if need_grad else None, shard)
+            total += kl_chunk(x[p0:p1], p0, p1, g[p0:p1] if need_grad else None)
         if need_grad:
             g[rows:].zero_()
         ctx.grad = grad
@@ -255,10 +289,10 @@ class ChunkedDistillation(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total):
         if ctx.grad is None:
-            raise RuntimeError("the fused self-distillation loss was already differentiated once; it keeps "
-                               "no graph to run backward again (retain_graph is not supported)")
+            raise RuntimeError("this chunked KL loss (self-distillation, feedback) was already differentiated "
+                               "once; it keeps no graph to run backward again (retain_graph is not supported)")
         grad, ctx.grad = ctx.grad, None
-        return grad.mul_(grad_total), None, None, None, None, None, None
+        return grad.mul_(grad_total), None, None, None, None, None
 
 
 def _needs_grad(logits: torch.Tensor) -> bool:
@@ -283,7 +317,36 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, weight: torch.
     Returns:
         fp32 scalar; its gradient flows to `logits` only.
     """
-    return ChunkedCrossEntropy.apply(logits, labels, weight, fusion, overwrite_logits, group, _needs_grad(logits))
+    weight = weight.float() * (labels != -100)
+    per_position = ChunkedCrossEntropy.apply(logits, labels, 1.0, fusion, overwrite_logits, group,
+                                             _needs_grad(logits), False)
+    return (per_position * weight).sum()
+
+
+def token_log_probs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, *,
+                    entropy: bool = False, overwrite_logits: bool = False,
+                    group: Optional[dist.ProcessGroup] = None):
+    """log softmax(logits_t / temperature)[label_t] per position, chunked as `cross_entropy_sum`.
+
+    The same values as log_softmax(logits.float() / temperature).gather(-1, labels), without
+    an fp32 [b, s, v] tensor in forward or backward: fp32 lives one chunk at a time, and
+    backward writes weight * (onehot - softmax) / temperature in the logits' dtype.
+
+    Args:
+        logits: [b, s, v_local] any float dtype and strides.
+        labels: [b, s] int64 vocabulary ids (every position has one).
+        temperature: > 0.
+        entropy: also return the entropy of softmax(logits_t / temperature) per position
+            (fp32 [b, s], no gradient), computed in the same pass over the logits.
+        overwrite_logits, group: as in `cross_entropy_sum`.
+    Returns:
+        log-probs [b, s] fp32 (differentiable in `logits`), or (log-probs, entropy).
+    """
+    if not (isinstance(temperature, (int, float)) and 0 < temperature < float("inf")):
+        raise ValueError(f"temperature {temperature!r} must be a finite number > 0 (the sampling temperature)")
+    out = ChunkedCrossEntropy.apply(logits, labels, float(temperature), False, overwrite_logits, group,
+                                    _needs_grad(logits), entropy)
+    return (-out[0], out[1]) if entropy else -out
 
 
 def distillation_sum(student: torch.Tensor, teacher: torch.Tensor, weight: torch.Tensor, offset: int = 0, *,
@@ -300,8 +363,14 @@ def distillation_sum(student: torch.Tensor, teacher: torch.Tensor, weight: torch
     Returns:
         fp32 scalar; its gradient flows to `student` only.
     """
-    return ChunkedDistillation.apply(student, teacher.detach(), weight, offset, overwrite_logits, group,
-                                     _needs_grad(student))
+    t, w = teacher.detach().transpose(0, 1), weight.transpose(0, 1).float()  # position-major, as the student
+    shard = VocabShard.of(student.shape[-1], group)
+
+    def kl_chunk(x, p0, p1, out):
+        return distillation_kl_chunk(x, t[p0 + offset:p1 + offset], w[p0:p1], out, shard)
+
+    rows = max(student.shape[1] - offset, 0)  # positions that have a teacher row
+    return ChunkedDistillation.apply(student, kl_chunk, rows, overwrite_logits, group, _needs_grad(student))
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor, **kernel):
