@@ -68,16 +68,25 @@ class _Scored:
         self.effort_counts = sample.effort or EffortCounts(final_message_tokens=len(sample.completion_ids), turns=1)
 
 
+def colocated_engine_refusal(tp: int, ep: int) -> Optional[str]:
+    """Why the colocated engine cannot sample at this layout (None: it can). The engine decodes with the
+    rank's own weights, whole; tensor and expert parallelism leave each rank a shard of them. The RL step
+    itself (`train_on`) runs at any layout the CPT trainer takes; `--async-rl` samples on inference
+    workers that hold the whole model."""
+    for flag, size in (("--tensor-model-parallel-size", tp), ("--expert-model-parallel-size", ep)):
+        if size != 1:
+            return (f"the synchronous loop samples with an engine colocated on every rank, which needs whole "
+                    f"weights; {flag} {size} shards them; add --async-rl (inference workers hold the whole "
+                    f"model, the trainer ranks keep {flag} {size}) or use {flag} 1")
+    return None
+
+
 class RLTrainer:
-    """The RL update on a composed `Trainer`, with its colocated rollout engine (module docstring)."""
+    """The RL update on a composed `Trainer`, with its colocated rollout engine where the layout leaves the
+    rank whole weights (`colocated_engine_refusal`; module docstring)."""
 
     def __init__(self, model_cfg: ModelConfig, layout: ParallelLayout, cfg: TrainingConfig, rl: RLConfig,
                  tokenizer, *, log=None):
-        for flag, size in (("--tensor-model-parallel-size", layout.tp), ("--expert-model-parallel-size", layout.ep)):
-            if size != 1:
-                raise ValueError(f"train_rl.py samples with an engine colocated on every rank, which holds whole "
-                                 f"weights; {flag} {size} shards them; use {flag} 1 (data and context "
-                                 f"parallelism work)")
         cfg = cfg.with_tokenizer(getattr(tokenizer, "model_path", None))  # checkpoints carry their tokenizer
         self.trainer = t = Trainer(model_cfg, layout, TrainingData(train=None), cfg, log=log)
         self.rl, self.tokenizer = rl, tokenizer
@@ -91,9 +100,11 @@ class RLTrainer:
             self.replay = RouterReplayController(t.model.module, rl.algorithm.replay_plausibility_threshold)
             t.pre_forward = self._replay_routes
         self.max_len = min(cfg.seq_length, model_cfg.max_position_embeddings)
-        self.engine = Engine(t.model, model_cfg, tokenizer, max_batch_size=rl.rollout.rollout_batch_size,
-                             max_model_len=self.max_len)
-        self.backend = EngineBackend(self.engine)
+        self.engine = self.backend = None  # the colocated engine needs whole weights on the rank
+        if colocated_engine_refusal(layout.tp, layout.ep) is None:
+            self.engine = Engine(t.model, model_cfg, tokenizer, max_batch_size=rl.rollout.rollout_batch_size,
+                                 max_model_len=self.max_len)
+            self.backend = EngineBackend(self.engine)
         self.env = build_environment(rl, tokenizer, self.max_len)
         self.eval_env = None  # built on first use (`evaluate`)
         self._setup_feedback()
@@ -181,6 +192,7 @@ class RLTrainer:
         step-local groups 0 .. prompts_per_step - 1."""
         import concurrent.futures
 
+        self._need_engine()
         ids = self.group_ids(iteration)
         mine = [j for j in range(len(ids)) if j % self.dp_size == self.dp_rank]
         self.model.eval()
@@ -196,6 +208,10 @@ class RLTrainer:
         samples = [dataclasses.replace(s, group=j, trajectory=j * size + s.trajectory % size)
                    for j, run in zip(mine, runs) for s in run]
         return self._gather(samples)
+
+    def _need_engine(self) -> None:
+        if self.engine is None:
+            raise ValueError(colocated_engine_refusal(self.trainer.layout.tp, self.trainer.layout.ep))
 
     def _gather(self, samples: list[RolloutSample]) -> list[RolloutSample]:
         """All ranks' samples, each group once, in group order."""
@@ -318,7 +334,8 @@ class RLTrainer:
                 batch.old_logp = self._forward_logprobs(None, batch)
         results = [self.trainer.update(mini) for mini in minis]
         self.trainer.advance(any(not r.skipped for r in results), len(samples))
-        self.backend.update_weights(None, version=self.state.iteration)  # shared weights: a new version
+        if self.backend is not None:
+            self.backend.update_weights(None, version=self.state.iteration)  # shared weights: a new version
         metrics.update(self.policy_loss.pop_stats())
         if self.replay is not None:
             metrics["replaced experts"] = self.replay.replaced_fraction()
@@ -339,6 +356,7 @@ class RLTrainer:
         rl = self.rl
         if not rl.rollout.eval_tasks:
             return None
+        self._need_engine()
         if self.eval_env is None:
             self.eval_env = build_environment(rl, self.tokenizer, self.max_len, split="eval", count=rl.rollout.eval_tasks)
         self.model.eval()
