@@ -45,10 +45,11 @@ from ..inference.sampling import token_logprobs
 from ..models import build_model, composer_forward
 from ..moe.replay import RouterReplayController
 from ..parallel import ParallelLayout, zigzag_batch
+from ..parallel.wrappers import unwrap
 from ..training.trainer import Trainer, TrainingData
 from .algorithms import default_normalizer, group_advantages, kl_estimate, kl_penalized_rewards
 from .backends import EngineBackend
-from .batches import RolloutSample, pack_samples
+from .batches import RolloutSample, filler_batch, pack_samples
 from .config import RLConfig
 from .environments import build_environment, merge_evaluations
 from .feedback import build_rules, feedback_metrics
@@ -98,7 +99,13 @@ class RLTrainer:
         self.replay = None
         if rl.algorithm.router_replay and model_cfg.num_moe_layers:
             self.replay = RouterReplayController(t.model.module, rl.algorithm.replay_plausibility_threshold)
-            t.pre_forward = self._replay_routes
+        # expert all-to-alls (EP) and FSDP all-gathers (HSDP) in every forward: the data-parallel ranks
+        # run the same number of micro-batches, the short ones padded with `filler_batch`es
+        self.lockstep = layout.ep > 1 or cfg.data_parallel_sharding == "hsdp"
+        self._bias_counts = [m.local_tokens_per_expert for m in unwrap(t.model).modules()
+                             if getattr(m, "local_tokens_per_expert", None) is not None]
+        self._held_counts = None
+        t.pre_forward = self._pre_forward
         self.max_len = min(cfg.seq_length, model_cfg.max_position_embeddings)
         self.engine = self.backend = None  # the colocated engine needs whole weights on the rank
         if colocated_engine_refusal(layout.tp, layout.ep) is None:
@@ -130,8 +137,18 @@ class RLTrainer:
     def loss_plugins(self) -> list:
         return self.trainer.loss_plugins
 
-    def _replay_routes(self, batch) -> None:
-        """The trainer's `pre_forward`: route this micro-batch's tokens as the sampler did."""
+    def _pre_forward(self, batch) -> None:
+        """The trainer's `pre_forward`: keep a filler's tokens out of the expert-bias counts (restored
+        before the micro-batch after it: fillers come first), and route this micro-batch's tokens as
+        the sampler did."""
+        if self._held_counts is not None:
+            for counts, held in zip(self._bias_counts, self._held_counts):
+                counts.copy_(held)
+            self._held_counts = None
+        if getattr(batch, "filler", False):
+            self._held_counts = [c.clone() for c in self._bias_counts]
+        if self.replay is None:
+            return
         if getattr(batch, "routed_experts", None) is not None:
             self.replay.set(batch.routed_experts[0])
         else:
@@ -245,9 +262,18 @@ class RLTrainer:
         """(sample indices, this rank's CP share of the packed micro-batch) for the samples `members_of`,
         balanced across data-parallel ranks."""
         rl = self.rl
-        bins = plan_step([samples[i].length for i in members_of], self.dp_size, rl.algorithm.micro_batch_tokens,
-                         self.linear_cost, self.quadratic_cost)[self.dp_rank]
-        out = []
+        plan = plan_step([samples[i].length for i in members_of], self.dp_size, rl.algorithm.micro_batch_tokens,
+                         self.linear_cost, self.quadratic_cost)
+        bins, out = plan[self.dp_rank], []
+        if self.lockstep:
+            if not bins:
+                raise ValueError(
+                    f"a mini-batch of {len(members_of)} samples leaves data-parallel rank {self.dp_rank} of "
+                    f"{self.dp_size} none, and under expert parallelism or HSDP every rank runs each forward; "
+                    f"raise --prompts-per-step or --group-size, or lower --ppo-mini-batches")
+            filler = zigzag_batch(filler_batch(2 * self.cp_size), self.cp_size, self.cp_rank)
+            empty = torch.zeros(0, dtype=torch.long)
+            out = [(empty, filler)] * (max(map(len, plan)) - len(bins))  # first: see `_pre_forward`
         for local in bins:
             members = [members_of[i] for i in local]
             batch = zigzag_batch(pack_samples([samples[i] for i in members]), self.cp_size, self.cp_rank,
@@ -279,6 +305,8 @@ class RLTrainer:
         if self.reference is not None:
             for members, batch in (mb for mini in minis for mb in mini):
                 batch.ref_logp = self._forward_logprobs(self.reference, batch)
+                if batch.filler:
+                    continue
                 kl = kl_estimate(batch.sampler_logp, batch.ref_logp, rl.algorithm.kl_kind) * batch.loss_mask
                 kl_sums.index_add_(0, owner[members][batch.segment_ids[0]], kl[0].double())
             self._all_reduce_dp_cp(kl_sums)  # each token lives on one (DP, CP) rank
@@ -293,8 +321,9 @@ class RLTrainer:
         for mini in minis:
             micro = []
             for index, (members, batch) in enumerate(mini):
-                sample_advantages = advantages[owner[members]].float()
-                batch.advantages = batch.loss_mask * sample_advantages[batch.segment_ids[0]][None]
+                if not batch.filler:
+                    sample_advantages = advantages[owner[members]].float()
+                    batch.advantages = batch.loss_mask * sample_advantages[batch.segment_ids[0]][None]
                 first = index == 0 and self.dp_rank == 0 and self.cp_rank == 0
                 micro.append(dataclasses.replace(batch, normalizer_share=normalizer if first else 0.0))
             placed.append(micro)
@@ -338,7 +367,7 @@ class RLTrainer:
             self.backend.update_weights(None, version=self.state.iteration)  # shared weights: a new version
         metrics.update(self.policy_loss.pop_stats())
         if self.replay is not None:
-            metrics["replaced experts"] = self.replay.replaced_fraction()
+            metrics["replaced experts"] = self._replaced_fraction()
         mean = lambda xs: sum(xs) / len(xs)  # noqa: E731 - over the step's updates
         metrics.update({"policy loss": mean([r.losses["policy loss"] for r in results]),
                         "grad norm": mean([r.grad_norm for r in results]), "lr": results[-1].lr,
@@ -348,6 +377,14 @@ class RLTrainer:
             if name in results[0].losses:
                 metrics[name] = mean([r.losses[name] for r in results])
         return metrics
+
+    def _replaced_fraction(self) -> float:
+        """The fraction of replayed experts the plausibility filter replaced in this step, over every
+        rank's tokens (each token is replayed on the one (DP, CP) rank that holds it)."""
+        counts = torch.tensor([[r.replaced, r.replayed] for r in self.replay.replays], dtype=torch.float64).sum(0)
+        self._all_reduce_dp_cp(counts)
+        self.replay.replaced_fraction()  # reset the counts
+        return float(counts[0] / counts[1]) if counts[1] else 0.0
 
     # ---- held-out evaluation (synchronous driver) -----------------------------------------
     def evaluate(self) -> Optional[dict]:
