@@ -38,6 +38,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..checkpoint.state import load_model_state_dict, model_state_dict
 from ..config.model import ModelConfig
 from ..config.training import TrainingConfig
 from ..inference.engine import Engine
@@ -186,8 +187,9 @@ class RLTrainer:
 
             load_checkpoint(root, ref, iteration=latest_iteration(root), allow_missing=("mtp.",),
                             verify=t.cfg.checkpoint.verify_checkpoint)
-        else:
-            ref.load_state_dict(t.model.module.state_dict())
+        else:  # whole tensors (HSDP shards the policy's), under global names (EP: this rank's experts)
+            full = lambda v: v.full_tensor() if hasattr(v, "full_tensor") else v  # noqa: E731
+            load_model_state_dict(ref, {name: full(v) for name, v in model_state_dict(t.model).items()})
         for p in ref.parameters():
             p.requires_grad_(False)
         self.reference = ref.eval()
