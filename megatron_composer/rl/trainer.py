@@ -20,7 +20,10 @@ and the asynchronous trainer actors (`async_rl/services.py`):
 2. packing: `packing.plan_step` balances the samples' cost (attention's
    quadratic term from the model shape) across data-parallel ranks, cuts each
    rank's share into micro-batches of at most `--rl-micro-batch-tokens`, and
-   each context-parallel rank keeps its zigzag share of every per-token field;
+   each context-parallel rank keeps its zigzag share of every per-token field
+   (the recorded routes too); under expert parallelism or HSDP, whose forwards
+   hold collectives, a rank with fewer micro-batches than its peers runs
+   filler micro-batches first (`batches.filler_batch`);
 3. with `--ppo-mini-batches N > 1`: the step's groups split into N
    mini-batches, the old log-probs of every token computed once under the
    weights before the first update (so the ratio departs from 1 after it);
@@ -175,7 +178,8 @@ class RLTrainer:
 
     # ---- start-up -----------------------------------------------------------------------
     def build_reference(self) -> None:
-        """The frozen reference model for the KL: the weights RL started from."""
+        """The frozen reference model for the KL: the weights RL started from, at the policy's layout
+        (under EP this rank's experts only; under HSDP an unsharded copy of the dense weights)."""
         if not self.rl.algorithm.kl_coef:
             return
         t = self.trainer
