@@ -129,17 +129,16 @@ def test_train_rl_runs_saves_and_resumes(data_dir, tmp_path):
         assert [json.loads(line)["iteration"] for line in f] == [1, 2, 3]
 
 
-def test_sharded_weights_are_refused_with_the_flag_named(data_dir):
-    from megatron_composer.config import TrainingConfig, get_preset
-    from megatron_composer.data.tokenizer import Tokenizer
-    from megatron_composer.parallel import ParallelLayout
-    from megatron_composer.rl.config import RLConfig
-    from megatron_composer.rl.trainer import RLTrainer
+@pytest.mark.parametrize("flag, more", [("--expert-model-parallel-size", []),
+                                        ("--tensor-model-parallel-size", ["--expert-tensor-parallel-size", "2"])])
+def test_the_synchronous_loop_refuses_sharded_weights_naming_async_rl(data_dir, flag, more):
+    """The colocated engine needs whole weights: the synchronous loop refuses EP and TP before building
+    anything, and names --async-rl (whose inference workers hold the whole model)."""
+    from megatron_composer.rl.train import train_rl
 
-    layout = ParallelLayout(world_size=2, ep=2, num_experts=8)
-    with pytest.raises(ValueError, match="--expert-model-parallel-size 1"):
-        RLTrainer(get_preset("tiny"), layout, TrainingConfig(stage="rl"), RLConfig(),
-                  Tokenizer(str(data_dir / "tokenizer.model")))
+    with pytest.raises(ValueError, match=f"--async-rl.*{flag} 2|{flag} 2.*--async-rl"):
+        train_rl(["--model-preset", "tiny", "--tokenizer-model", str(data_dir / "tokenizer.model"),
+                  "--data-cache-dir", str(data_dir), flag, "2", *more])
 
 
 @pytest.mark.parametrize("flag, value, match", [("--group-size", "0", "group-size"),

@@ -13,7 +13,10 @@ per-token field) keep them aligned with their tokens.
 A micro-batch is one "thd" packed sequence [1, T] of whole samples (each
 attends only to itself). `plan_step` balances the samples across
 data-parallel ranks by cost, then cuts each rank's share into micro-batches
-under a token budget.
+under a token budget. Under expert parallelism (an all-to-all per MoE layer
+of every forward) and FSDP (an all-gather per layer) the data-parallel ranks
+run their forwards in lockstep, so a rank with fewer micro-batches than its
+peers runs `filler_batch`es: a few pad tokens that train nothing.
 
 Samples wait in the async RL buffer, which goes into checkpoints, so a
 sample (with its feedback hints and effort counts) turns into plain data
@@ -137,6 +140,7 @@ class RLBatch(Batch):
     feedback_rows: Optional[torch.Tensor] = None  # [1, T] int64: row of feedback_table, -1: no target
     feedback_table: Optional[object] = None  # feedback_loss.FeedbackTable of the target positions
     normalizer_share: float = 0.0
+    filler: bool = False  # `filler_batch`: pad tokens only, run to keep the ranks' forwards in lockstep
 
     PAD_VALUES: ClassVar[dict] = {"advantages": 0.0, "sampler_logp": 0.0, "routed_experts": -1, "ref_logp": 0.0,
                                   "old_logp": 0.0, "feedback_rows": -1}
@@ -178,3 +182,15 @@ def pack_samples(samples: list[RolloutSample], pad_token: int = 0) -> RLBatch:
                    segment_ids=cat(segments), packed_seq_params=packed_seq_params_for([s.length for s in samples]),
                    advantages=cat(adv), sampler_logp=cat(slp),
                    routed_experts=cat(routed) if with_routing else None)
+
+
+def filler_batch(tokens: int, pad_token: int = 0) -> RLBatch:
+    """A micro-batch of one document of `tokens` pad tokens with loss mask 0 (every per-token RL field
+    its pad value): its forward and backward join the peers' collectives and add nothing to a loss,
+    a gradient or a metric (the loop keeps its routed tokens out of the expert-bias counts)."""
+    zeros = torch.zeros(1, tokens)
+    return RLBatch(tokens=torch.full((1, tokens), pad_token), labels=torch.full((1, tokens), pad_token),
+                   loss_mask=zeros, position_ids=torch.arange(tokens)[None],
+                   segment_ids=torch.zeros(1, tokens, dtype=torch.long),
+                   packed_seq_params=packed_seq_params_for([tokens]), advantages=zeros.clone(),
+                   sampler_logp=zeros.clone(), filler=True)

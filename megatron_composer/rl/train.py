@@ -2,6 +2,10 @@
 
     train_rl(argv)       parse once; the synchronous loop below, or with --async-rl the Ray services
 
+The synchronous loop samples with the engine colocated on every rank, so it
+takes data and context parallelism only; tensor or expert parallelism is
+refused with `--async-rl` named (`trainer.colocated_engine_refusal`).
+
 The synchronous driver only schedules; the step is `RLTrainer.train_on`, the
 rollouts `RLTrainer.rollouts` over the environment interface, the report
 `report.StepReport`. One step reads as one call chain:
@@ -20,7 +24,7 @@ from .arguments import parse_rl_args
 from .build import build_rl_trainer
 from .report import StepReport
 from .rollout import due
-from .trainer import RLTrainer
+from .trainer import RLTrainer, colocated_engine_refusal
 
 LOG_KEYS = ("reward", "task all_pass", "policy loss", "grad norm", "completion length", "turns", "summaries",
             "feedback hints", "feedback kl", "logp mismatch mean", "step seconds")
@@ -33,6 +37,10 @@ def train_rl(argv: Optional[list[str]] = None):
         from .async_rl.runner import run_async_rl
 
         return run_async_rl(run)
+    refusal = colocated_engine_refusal(run.parallel.tensor_model_parallel_size,
+                                       run.parallel.expert_model_parallel_size)
+    if refusal is not None:  # before any rank starts building
+        raise ValueError(refusal)
     trainer = build_rl_trainer(run)
     try:
         trainer.resume()

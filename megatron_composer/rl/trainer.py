@@ -20,7 +20,10 @@ and the asynchronous trainer actors (`async_rl/services.py`):
 2. packing: `packing.plan_step` balances the samples' cost (attention's
    quadratic term from the model shape) across data-parallel ranks, cuts each
    rank's share into micro-batches of at most `--rl-micro-batch-tokens`, and
-   each context-parallel rank keeps its zigzag share of every per-token field;
+   each context-parallel rank keeps its zigzag share of every per-token field
+   (the recorded routes too); under expert parallelism or HSDP, whose forwards
+   hold collectives, a rank with fewer micro-batches than its peers runs
+   filler micro-batches first (`batches.filler_batch`);
 3. with `--ppo-mini-batches N > 1`: the step's groups split into N
    mini-batches, the old log-probs of every token computed once under the
    weights before the first update (so the ratio departs from 1 after it);
@@ -38,6 +41,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..checkpoint.state import load_model_state_dict, model_state_dict
 from ..config.model import ModelConfig
 from ..config.training import TrainingConfig
 from ..inference.engine import Engine
@@ -45,10 +49,11 @@ from ..inference.sampling import token_logprobs
 from ..models import build_model, composer_forward
 from ..moe.replay import RouterReplayController
 from ..parallel import ParallelLayout, zigzag_batch
+from ..parallel.wrappers import unwrap
 from ..training.trainer import Trainer, TrainingData
 from .algorithms import default_normalizer, group_advantages, kl_estimate, kl_penalized_rewards
 from .backends import EngineBackend
-from .batches import RolloutSample, pack_samples
+from .batches import RolloutSample, filler_batch, pack_samples
 from .config import RLConfig
 from .environments import build_environment, merge_evaluations
 from .feedback import build_rules, feedback_metrics
@@ -68,16 +73,25 @@ class _Scored:
         self.effort_counts = sample.effort or EffortCounts(final_message_tokens=len(sample.completion_ids), turns=1)
 
 
+def colocated_engine_refusal(tp: int, ep: int) -> Optional[str]:
+    """Why the colocated engine cannot sample at this layout (None: it can). The engine decodes with the
+    rank's own weights, whole; tensor and expert parallelism leave each rank a shard of them. The RL step
+    itself (`train_on`) runs at any layout the CPT trainer takes; `--async-rl` samples on inference
+    workers that hold the whole model."""
+    for flag, size in (("--tensor-model-parallel-size", tp), ("--expert-model-parallel-size", ep)):
+        if size != 1:
+            return (f"the synchronous loop samples with an engine colocated on every rank, which needs whole "
+                    f"weights; {flag} {size} shards them; add --async-rl (inference workers hold the whole "
+                    f"model, the trainer ranks keep {flag} {size}) or use {flag} 1")
+    return None
+
+
 class RLTrainer:
-    """The RL update on a composed `Trainer`, with its colocated rollout engine (module docstring)."""
+    """The RL update on a composed `Trainer`, with its colocated rollout engine where the layout leaves the
+    rank whole weights (`colocated_engine_refusal`; module docstring)."""
 
     def __init__(self, model_cfg: ModelConfig, layout: ParallelLayout, cfg: TrainingConfig, rl: RLConfig,
                  tokenizer, *, log=None):
-        for flag, size in (("--tensor-model-parallel-size", layout.tp), ("--expert-model-parallel-size", layout.ep)):
-            if size != 1:
-                raise ValueError(f"train_rl.py samples with an engine colocated on every rank, which holds whole "
-                                 f"weights; {flag} {size} shards them; use {flag} 1 (data and context "
-                                 f"parallelism work)")
         cfg = cfg.with_tokenizer(getattr(tokenizer, "model_path", None))  # checkpoints carry their tokenizer
         self.trainer = t = Trainer(model_cfg, layout, TrainingData(train=None), cfg, log=log)
         self.rl, self.tokenizer = rl, tokenizer
@@ -89,11 +103,19 @@ class RLTrainer:
         self.replay = None
         if rl.algorithm.router_replay and model_cfg.num_moe_layers:
             self.replay = RouterReplayController(t.model.module, rl.algorithm.replay_plausibility_threshold)
-            t.pre_forward = self._replay_routes
+        # expert all-to-alls (EP) and FSDP all-gathers (HSDP) in every forward: the data-parallel ranks
+        # run the same number of micro-batches, the short ones padded with `filler_batch`es
+        self.lockstep = layout.ep > 1 or cfg.data_parallel_sharding == "hsdp"
+        self._bias_counts = [m.local_tokens_per_expert for m in unwrap(t.model).modules()
+                             if getattr(m, "local_tokens_per_expert", None) is not None]
+        self._held_counts = None
+        t.pre_forward = self._pre_forward
         self.max_len = min(cfg.seq_length, model_cfg.max_position_embeddings)
-        self.engine = Engine(t.model, model_cfg, tokenizer, max_batch_size=rl.rollout.rollout_batch_size,
-                             max_model_len=self.max_len)
-        self.backend = EngineBackend(self.engine)
+        self.engine = self.backend = None  # the colocated engine needs whole weights on the rank
+        if colocated_engine_refusal(layout.tp, layout.ep) is None:
+            self.engine = Engine(t.model, model_cfg, tokenizer, max_batch_size=rl.rollout.rollout_batch_size,
+                                 max_model_len=self.max_len)
+            self.backend = EngineBackend(self.engine)
         self.env = build_environment(rl, tokenizer, self.max_len)
         self.eval_env = None  # built on first use (`evaluate`)
         self._setup_feedback()
@@ -119,8 +141,18 @@ class RLTrainer:
     def loss_plugins(self) -> list:
         return self.trainer.loss_plugins
 
-    def _replay_routes(self, batch) -> None:
-        """The trainer's `pre_forward`: route this micro-batch's tokens as the sampler did."""
+    def _pre_forward(self, batch) -> None:
+        """The trainer's `pre_forward`: keep a filler's tokens out of the expert-bias counts (restored
+        before the micro-batch after it: fillers come first), and route this micro-batch's tokens as
+        the sampler did."""
+        if self._held_counts is not None:
+            for counts, held in zip(self._bias_counts, self._held_counts):
+                counts.copy_(held)
+            self._held_counts = None
+        if getattr(batch, "filler", False):
+            self._held_counts = [c.clone() for c in self._bias_counts]
+        if self.replay is None:
+            return
         if getattr(batch, "routed_experts", None) is not None:
             self.replay.set(batch.routed_experts[0])
         else:
@@ -146,7 +178,8 @@ class RLTrainer:
 
     # ---- start-up -----------------------------------------------------------------------
     def build_reference(self) -> None:
-        """The frozen reference model for the KL: the weights RL started from."""
+        """The frozen reference model for the KL: the weights RL started from, at the policy's layout
+        (under EP this rank's experts only; under HSDP an unsharded copy of the dense weights)."""
         if not self.rl.algorithm.kl_coef:
             return
         t = self.trainer
@@ -158,8 +191,9 @@ class RLTrainer:
 
             load_checkpoint(root, ref, iteration=latest_iteration(root), allow_missing=("mtp.",),
                             verify=t.cfg.checkpoint.verify_checkpoint)
-        else:
-            ref.load_state_dict(t.model.module.state_dict())
+        else:  # whole tensors (HSDP shards the policy's), under global names (EP: this rank's experts)
+            full = lambda v: v.full_tensor() if hasattr(v, "full_tensor") else v  # noqa: E731
+            load_model_state_dict(ref, {name: full(v) for name, v in model_state_dict(t.model).items()})
         for p in ref.parameters():
             p.requires_grad_(False)
         self.reference = ref.eval()
@@ -181,6 +215,7 @@ class RLTrainer:
         step-local groups 0 .. prompts_per_step - 1."""
         import concurrent.futures
 
+        self._need_engine()
         ids = self.group_ids(iteration)
         mine = [j for j in range(len(ids)) if j % self.dp_size == self.dp_rank]
         self.model.eval()
@@ -196,6 +231,10 @@ class RLTrainer:
         samples = [dataclasses.replace(s, group=j, trajectory=j * size + s.trajectory % size)
                    for j, run in zip(mine, runs) for s in run]
         return self._gather(samples)
+
+    def _need_engine(self) -> None:
+        if self.engine is None:
+            raise ValueError(colocated_engine_refusal(self.trainer.layout.tp, self.trainer.layout.ep))
 
     def _gather(self, samples: list[RolloutSample]) -> list[RolloutSample]:
         """All ranks' samples, each group once, in group order."""
@@ -229,9 +268,18 @@ class RLTrainer:
         """(sample indices, this rank's CP share of the packed micro-batch) for the samples `members_of`,
         balanced across data-parallel ranks."""
         rl = self.rl
-        bins = plan_step([samples[i].length for i in members_of], self.dp_size, rl.algorithm.micro_batch_tokens,
-                         self.linear_cost, self.quadratic_cost)[self.dp_rank]
-        out = []
+        plan = plan_step([samples[i].length for i in members_of], self.dp_size, rl.algorithm.micro_batch_tokens,
+                         self.linear_cost, self.quadratic_cost)
+        bins, out = plan[self.dp_rank], []
+        if self.lockstep:
+            if not bins:
+                raise ValueError(
+                    f"a mini-batch of {len(members_of)} samples leaves data-parallel rank {self.dp_rank} of "
+                    f"{self.dp_size} none, and under expert parallelism or HSDP every rank runs each forward; "
+                    f"raise --prompts-per-step or --group-size, or lower --ppo-mini-batches")
+            filler = zigzag_batch(filler_batch(2 * self.cp_size), self.cp_size, self.cp_rank)
+            empty = torch.zeros(0, dtype=torch.long)
+            out = [(empty, filler)] * (max(map(len, plan)) - len(bins))  # first: see `_pre_forward`
         for local in bins:
             members = [members_of[i] for i in local]
             batch = zigzag_batch(pack_samples([samples[i] for i in members]), self.cp_size, self.cp_rank,
@@ -263,6 +311,8 @@ class RLTrainer:
         if self.reference is not None:
             for members, batch in (mb for mini in minis for mb in mini):
                 batch.ref_logp = self._forward_logprobs(self.reference, batch)
+                if batch.filler:
+                    continue
                 kl = kl_estimate(batch.sampler_logp, batch.ref_logp, rl.algorithm.kl_kind) * batch.loss_mask
                 kl_sums.index_add_(0, owner[members][batch.segment_ids[0]], kl[0].double())
             self._all_reduce_dp_cp(kl_sums)  # each token lives on one (DP, CP) rank
@@ -277,8 +327,9 @@ class RLTrainer:
         for mini in minis:
             micro = []
             for index, (members, batch) in enumerate(mini):
-                sample_advantages = advantages[owner[members]].float()
-                batch.advantages = batch.loss_mask * sample_advantages[batch.segment_ids[0]][None]
+                if not batch.filler:
+                    sample_advantages = advantages[owner[members]].float()
+                    batch.advantages = batch.loss_mask * sample_advantages[batch.segment_ids[0]][None]
                 first = index == 0 and self.dp_rank == 0 and self.cp_rank == 0
                 micro.append(dataclasses.replace(batch, normalizer_share=normalizer if first else 0.0))
             placed.append(micro)
@@ -318,10 +369,11 @@ class RLTrainer:
                 batch.old_logp = self._forward_logprobs(None, batch)
         results = [self.trainer.update(mini) for mini in minis]
         self.trainer.advance(any(not r.skipped for r in results), len(samples))
-        self.backend.update_weights(None, version=self.state.iteration)  # shared weights: a new version
+        if self.backend is not None:
+            self.backend.update_weights(None, version=self.state.iteration)  # shared weights: a new version
         metrics.update(self.policy_loss.pop_stats())
         if self.replay is not None:
-            metrics["replaced experts"] = self.replay.replaced_fraction()
+            metrics["replaced experts"] = self._replaced_fraction()
         mean = lambda xs: sum(xs) / len(xs)  # noqa: E731 - over the step's updates
         metrics.update({"policy loss": mean([r.losses["policy loss"] for r in results]),
                         "grad norm": mean([r.grad_norm for r in results]), "lr": results[-1].lr,
@@ -332,6 +384,14 @@ class RLTrainer:
                 metrics[name] = mean([r.losses[name] for r in results])
         return metrics
 
+    def _replaced_fraction(self) -> float:
+        """The fraction of replayed experts the plausibility filter replaced in this step, over every
+        rank's tokens (each token is replayed on the one (DP, CP) rank that holds it)."""
+        counts = torch.tensor([[r.replaced, r.replayed] for r in self.replay.replays], dtype=torch.float64).sum(0)
+        self._all_reduce_dp_cp(counts)
+        self.replay.replaced_fraction()  # reset the counts
+        return float(counts[0] / counts[1]) if counts[1] else 0.0
+
     # ---- held-out evaluation (synchronous driver) -----------------------------------------
     def evaluate(self) -> Optional[dict]:
         """Greedy episodes of `--eval-tasks` held-out tasks on the colocated engine (data-parallel ranks
@@ -339,6 +399,7 @@ class RLTrainer:
         rl = self.rl
         if not rl.rollout.eval_tasks:
             return None
+        self._need_engine()
         if self.eval_env is None:
             self.eval_env = build_environment(rl, self.tokenizer, self.max_len, split="eval", count=rl.rollout.eval_tasks)
         self.model.eval()
