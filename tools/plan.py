@@ -96,8 +96,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="packed tokens per training micro-batch (default: --seq-length)")
     g.add_argument("--kl-coef", type=float, default=0.0, help="> 0: the reference model is on every trainer rank")
     g.add_argument("--ppo-mini-batches", type=int, default=1)
-    g.add_argument("--chunked-logprobs", action="store_true",
-                   help="plan the log-probs in vocabulary chunks (default: today's unchunked fp32 [T x V])")
 
     g = p.add_argument_group("hardware assumptions (defaults: the GPU's datasheet figures)")
     g.add_argument("--mfu", type=float, default=None, help="model FLOPs utilization of compute (default 0.40)")
@@ -175,7 +173,7 @@ def rl_setup_from_args(args):
     cluster = setup_from_args(args).replace(seq_length=None)
     return RLPlanSetup(cluster, rollout, trainer_ranks=args.trainer_ranks, inference_workers=args.inference_workers,
                        inference_gpus_per_worker=args.inference_gpus_per_worker, kl_coef=args.kl_coef,
-                       ppo_mini_batches=args.ppo_mini_batches, chunked_logprobs=args.chunked_logprobs)
+                       ppo_mini_batches=args.ppo_mini_batches)
 
 
 def rl_setup_from_run(run, *, nodes: int, gpus_per_node: int, gpu: str = "h200", prompt_tokens: int = 1024):

@@ -175,7 +175,7 @@ def _rl_header(p) -> list[str]:
         if rl.model.num_moe_layers else ""
     reference = ("none (--kl-coef 0)" if not rl.kl_coef else
                  "a second fp32 model of the rank's EP share on every trainer rank (today's build_reference)")
-    logprobs = "in vocabulary chunks" if rl.chunked_logprobs else "unchunked fp32 [T x V] (today's path)"
+    logprobs = "in chunks of positions" if rl.chunked_logprobs else "unchunked fp32 [T x V]"
     return [
         f"plan: {c.model_preset}, stage rl, {c.nodes} x {c.gpus_per_node} {c.gpu.name} = {c.world_size} GPUs: "
         f"{rl_summary(rl)}",

@@ -18,12 +18,10 @@ are derived here. What one trainer GPU holds in an RL step, as `rl/trainer.py` r
 * the activations of one packed micro-batch (`activations.py`): samples of prompt + response tokens packed
   whole into `--rl-micro-batch-tokens` (floor(M / L) samples of L tokens), padded to a multiple of 2 x CP and
   split over CP; attention FLOPs span one sample, not the micro-batch;
-* the log-probs (estimate): `rl.loss.PolicyLoss` keeps the logits [T, V] (`logits`) and, at the entropy
-  metric, five fp32 [T x V] tensors at once: log_softmax(z / temperature) saved by the cross entropy for
-  backward, the fp32 z / temperature handed to the loss for the entropy, and the entropy's log_softmax, its
-  exp and their product. That peak comes at the end of forward; the backward working set after it, so the
-  plan counts the larger of the two. `chunked_logprobs` plans them in vocabulary chunks like the CPT loss
-  (`activations.LOSS_CHUNKS_LIVE` fp32 chunks);
+* the log-probs: `rl.loss.PolicyLoss` keeps the logits [T, V] (`logits`) and computes log-probs and
+  entropy in chunks of positions like the CPT loss (`activations.LOSS_CHUNKS_LIVE` fp32 chunks);
+  `chunked_logprobs=False` plans the unchunked path (`LOGPROB_FP32_TENSORS` fp32 [T x V] tensors) for
+  comparison; the plan counts the larger of that and the backward working set;
 * with the synchronous driver (no inference workers), the colocated engine's latent cache
   (`inference.kv_cache_bytes`, in the compute dtype): allocated at the first rollout and kept through
   training; while sampling, the engine's step working set comes on top of the states (the rollout phase).
@@ -113,7 +111,7 @@ class RLPlanSetup:
     inference_gpus_per_worker: int = 1  # 1: a whole model per worker (what train_rl.py runs)
     kl_coef: float = 0.0
     ppo_mini_batches: int = 1
-    chunked_logprobs: bool = False
+    chunked_logprobs: bool = True
 
     def replace(self, **changes) -> "RLPlanSetup":
         return dataclasses.replace(self, **changes)
