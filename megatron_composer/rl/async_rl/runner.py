@@ -106,8 +106,7 @@ class AsyncRLRunner:
                            long_tail=args.rollout_long_tail, server_url=args.rollout_server)
         if placement.gpus and args.inference_workers and not args.rollout_server:
             # a whole model per GPU: refuse one that cannot fit, on the first inference worker's GPU
-            ray.get(ray.remote(check_local_inference_worker).options(
-                **actor_options(self.groups, "inference", 0)).remote(
+            ray.get(ray.remote(**actor_options(self.groups, "inference", 0))(check_local_inference_worker).remote(
                 info["model_config"], info["seq_length"], rl.rollout.rollout_batch_size))
         restart = {"num_cpus": 0, "max_restarts": -1, "max_task_retries": 0}
         infer_cls = ray.remote(**restart)(InferenceWorker)
