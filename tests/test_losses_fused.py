@@ -6,13 +6,12 @@ largest tensor they allocate (a CPU memory proxy; the CUDA measurement is gpu-ma
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from megatron_composer.training import losses
 from megatron_composer.training.losses import lm_loss, mtp_cross_entropy_loss, mtp_self_distillation_loss
 from tests.distributed import run_distributed
 from tests.test_losses import RTOL, _close, _valid_by_hand  # the shared hand-written references
+from tests.memory import LargestAllocation
 
 
 def _sbv(b, s, v, g, dtype=torch.float32):
@@ -107,29 +106,11 @@ def test_megatron_statistics_leave_fp32_logits_untouched():
     _close(loss, F.cross_entropy(x.reshape(-1, 30), labels.reshape(-1), reduction="none").view(4, 2), "loss")
 
 
-class _LargestAllocation(TorchDispatchMode):
-    """Bytes of the largest storage any aten op creates (outputs that are not one of its inputs)."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest, self.ops = 0, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
-                self.largest = max(self.largest, t.untyped_storage().nbytes())
-        self.ops += 1
-        return out
-
-
 def _largest_allocation(monkeypatch, dtype, overwrite, mtp="self-distill"):
     b, s, v, rows = 2, 128, 512, 4
     monkeypatch.setattr(losses, "CHUNK_ELEMENTS", rows * b * v)
     main, student, labels, loss_mask, segment_ids = _batch(b, s, v, seed=3, dtype=dtype)
-    with _LargestAllocation() as mode:
+    with LargestAllocation() as mode:
         _ours(main, student, labels, loss_mask, segment_ids, 1, mtp, overwrite_logits=overwrite, fusion=True)
     assert mode.ops > 100  # the mode saw forward and backward
     return mode.largest, rows * b * v * 4, main.numel() * main.element_size()
@@ -166,7 +147,7 @@ def test_behind_an_output_layer_the_losses_allocate_one_fp32_chunk_and_match(mon
     _, _, ref_main, ref_student = _reference(main, student, labels, loss_mask, segment_ids, 1, "self-distill")
     ref = torch.autograd.grad([main, student], w, [ref_main, ref_student])[0]
     w, main, student = heads()
-    with _LargestAllocation() as mode:
+    with LargestAllocation() as mode:
         lm, _ = lm_loss(main, labels, loss_mask, fusion=True, overwrite_logits=True)
         kl, _ = mtp_self_distillation_loss(student, main, loss_mask, 1, segment_ids, overwrite_logits=True)
         (0.5 * lm + 0.3 * kl).backward()

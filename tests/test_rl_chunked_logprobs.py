@@ -13,8 +13,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from megatron_composer.inference.sampling import token_logprobs
 from megatron_composer.parallel import shift_left
@@ -26,6 +24,7 @@ from megatron_composer.rl.policy_losses import POLICY_LOSSES
 from megatron_composer.training import losses
 from megatron_composer.training.loss_plugins import ModelOutput, MTPLoss
 from megatron_composer.training.losses import token_log_probs
+from tests.memory import LargestAllocation
 
 RTOL = 1e-6
 BF16_RTOL = 1e-2  # a few bf16 roundings (2**-8 relative each) of each gradient entry
@@ -249,25 +248,6 @@ def test_policy_feedback_and_mtp_losses_in_the_loops_order_equal_the_references(
 
 # ---- memory -------------------------------------------------------------------------------------
 
-class _LargestFp32Allocation(TorchDispatchMode):
-    """Bytes of the largest fp32 storage any aten op creates (outputs that are not one of its inputs)."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest, self.ops = 0, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            if (isinstance(t, torch.Tensor) and t.dtype == torch.float32
-                    and t.untyped_storage().data_ptr() not in inputs):
-                self.largest = max(self.largest, t.untyped_storage().nbytes())
-        self.ops += 1
-        return out
-
-
 def test_policy_and_feedback_losses_allocate_at_most_one_fp32_chunk(monkeypatch):
     """Forward and backward of the policy loss (TIS, KL in the loss, entropy) and the feedback KL over
     half the positions on bf16 logits, then the no-grad log-probs of the old / reference forwards.
@@ -283,7 +263,7 @@ def test_policy_and_feedback_losses_allocate_at_most_one_fp32_chunk(monkeypatch)
                             ref_logp=-torch.rand(1, t, generator=g), old_logp=None,
                             feedback_rows=torch.where(torch.arange(t) % 2 == 0, torch.arange(t) // 2, -1)[None],
                             feedback_table=FeedbackTable(torch.log_softmax(torch.randn(t // 2, v, generator=g), -1)))
-    with _LargestFp32Allocation() as mode:
+    with LargestAllocation(torch.float32) as mode:
         out = ModelOutput(base * 1.0, [])
         loss = PolicyLoss(rl).loss_sum(batch, out, shift_left) + FeedbackLoss().loss_sum(batch, out, shift_left)
         loss.backward()
