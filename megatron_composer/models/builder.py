@@ -10,6 +10,8 @@ own submodules where the recipe needs them; no megatron-core class is forked:
 * first-k dense SwiGLU layers, then MoE layers with a shared expert, sigmoid
   scores, aux-loss-free expert bias, group-limited top-k and a routed scaling
   factor (all megatron-core router features, switched on by the config);
+* the router: `moe.PaddingAwareTopKRouter`, megatron-core's top-k router
+  whose expert-bias counts leave out pad tokens (`padding_mask`);
 * an MTP block built from the last decoder layer's spec, as DeepSeek-V3;
 * routed experts in the model's dtype (`moe_expert_precision` "bf16", the
   default): `moe.GroupedSequentialMLP`, megatron's SequentialMLP with one
@@ -73,7 +75,7 @@ from ..attention.core import MLACoreAttention
 from ..attention.cp import ContextParallelMLASelfAttention, ZigzagCoreAttention
 from ..config.model import ModelConfig
 from ..config.training import RecomputeConfig, TransformerImplConfig
-from ..moe import grouped_experts_spec, quantized_dispatch_spec, quantized_experts_spec
+from ..moe import grouped_experts_spec, padding_aware_router_spec, quantized_dispatch_spec, quantized_experts_spec
 from ..parallel.layout import ParallelLayout
 from .tensor_parallel import SequenceParallelRMSNorm, TensorParallelMLASelfAttention
 from .mtp import composer_mtp_spec
@@ -258,6 +260,7 @@ def _use_our_moe(layer_spec: ModuleSpec, expert_precision: str, dispatch_precisi
     if expert_precision == "bf16" and grouped_experts and not te:  # TE's spec has TEGroupedMLP
         experts = grouped_experts_spec(experts)
     mlp.submodules.experts = experts
+    padding_aware_router_spec(mlp.submodules)
     layer_spec.submodules.mlp = quantized_dispatch_spec(mlp, dispatch_precision, pg_collection)
 
 

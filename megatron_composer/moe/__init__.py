@@ -5,7 +5,8 @@ linear, in the model's dtype (the default experts). `experts`: SequentialMLP
 whose expert GEMMs run through `quant.quantized_linear` (`--moe-expert-precision`).
 `alltoall`: megatron's alltoall dispatcher without host syncs when every
 expert is local (the default MoE layer). `dispatcher`: that dispatcher with an
-MXFP8 dispatch payload (`--moe-dispatch-precision`).
+MXFP8 dispatch payload (`--moe-dispatch-precision`). `router`: megatron's
+top-k router with pad tokens kept out of its expert-bias counts.
 """
 from .alltoall import DeviceCountsAlltoAllTokenDispatcher, DeviceCountsMoELayer, permute_by_expert
 from .dispatcher import (
@@ -25,6 +26,7 @@ from .experts import (
     check_expert_precision,
     quantized_experts_spec,
 )
+from .router import PaddingAwareTopKRouter, padding_aware_router_spec
 from .grouped import (
     GroupedLinear,
     GroupedSequentialMLP,
@@ -47,6 +49,7 @@ __all__ = [
     "MXFP8DispatchMoELayer",
     "QuantizedColumnParallelLinear",
     "QuantizedRowParallelLinear",
+    "PaddingAwareTopKRouter",
     "QuantizedSequentialMLP",
     "check_dispatch_hidden_size",
     "check_expert_precision",
@@ -56,6 +59,7 @@ __all__ = [
     "mxfp8_all_to_all",
     "pack_weights",
     "packed_view",
+    "padding_aware_router_spec",
     "permute_by_expert",
     "quantized_dispatch_spec",
     "quantized_experts_spec",
