@@ -20,9 +20,21 @@ without reading the device, and full recompute takes packed sequences.
    `PackedSeqParams` makes it fail. The tensors go to the checkpoint and the
    rest is closed over, as megatron-core's `TransformerBlock` does for the
    decoder layers; what is recomputed is the same.
+3. **Pad tokens, unrolled.** `padding_mask` (True: a pad token, which the
+   routers leave out of the expert-bias counts) is the decoder's, at every
+   depth: MTP position t (the hidden state of token t, the embedding of
+   token t + 1) is a pad position exactly when token t is a pad token, so a
+   padded batch counts the positions of its unpadded one. megatron-core >= 0.18
+   rolls the mask with the ids instead (position t would take token t + 1's
+   flag: a document's last real position out, its last pad position in); its
+   rolled mask is replaced by the given one. Before 0.18 the MTP layer takes
+   no mask, and the given one reaches its transformer layer's router through
+   a forward pre-hook installed for the call (and carried through full
+   recompute).
 """
 from __future__ import annotations
 
+import inspect
 from functools import lru_cache
 
 import torch
@@ -30,6 +42,10 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
 
 from ..parallel.zigzag import on_device, packed_doc_lengths
+
+
+# megatron-core >= 0.18: the MTP layer takes, rolls and returns a padding mask itself
+NATIVE_PADDING_MASK = "padding_mask" in inspect.signature(MultiTokenPredictionLayer.forward).parameters
 
 
 @lru_cache(maxsize=256)
@@ -49,8 +65,19 @@ def zero_document_starts(x: torch.Tensor, doc_lengths: tuple[int, ...]) -> torch
 
 
 class ComposerMTPLayer(MultiTokenPredictionLayer):
-    """MultiTokenPredictionLayer with a sync-free packed roll at CP = 1 and a full recompute
-    that accepts non-tensor arguments (the module docstring)."""
+    """MultiTokenPredictionLayer with a sync-free packed roll at CP = 1, a full recompute
+    that accepts non-tensor arguments and the decoder's pad tokens unrolled (the module docstring)."""
+
+    _routing_padding = None  # before megatron-core 0.18: this call's padding mask, for the router
+
+    def forward(self, *args, padding_mask=None, **kwargs):
+        if NATIVE_PADDING_MASK:
+            return super().forward(*args, padding_mask=padding_mask, **kwargs)
+        self._routing_padding = padding_mask
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            self._routing_padding = None
 
     def _get_embeddings(self, input_ids, position_ids, *args, packed_seq_params=None, **kwargs):
         cp_size = self.cp_group.size() if getattr(self, "cp_group", None) is not None else 1
@@ -58,13 +85,29 @@ class ComposerMTPLayer(MultiTokenPredictionLayer):
             lengths = packed_doc_lengths(packed_seq_params)
             input_ids = zero_document_starts(input_ids, lengths)
             position_ids = zero_document_starts(position_ids, lengths)
-            if kwargs.get("padding_mask") is not None:  # megatron-core >= 0.17 rolls it too
-                kwargs["padding_mask"] = zero_document_starts(kwargs["padding_mask"], lengths)
             packed_seq_params = None  # the plain roll of the masked ids is the packed roll
-        return super()._get_embeddings(input_ids, position_ids, *args,
-                                       packed_seq_params=packed_seq_params, **kwargs)
+        out = super()._get_embeddings(input_ids, position_ids, *args, packed_seq_params=packed_seq_params, **kwargs)
+        if "padding_mask" in kwargs:  # megatron-core >= 0.18: (ids, positions, mask, input, hidden)
+            out = (*out[:2], kwargs["padding_mask"], *out[3:])
+        return out
+
+    def _proj_and_transformer_layer(self, *args, routing_padding=None, **kwargs):
+        mask = routing_padding if routing_padding is not None else self._routing_padding
+        if mask is None:
+            return super()._proj_and_transformer_layer(*args, **kwargs)
+
+        def with_mask(module, layer_args, layer_kwargs):
+            return layer_args, {**layer_kwargs, "padding_mask": mask}
+
+        hook = self.transformer_layer.register_forward_pre_hook(with_mask, with_kwargs=True)
+        try:
+            return super()._proj_and_transformer_layer(*args, **kwargs)
+        finally:
+            hook.remove()
 
     def _checkpointed_forward(self, forward_func, *args, **kwargs):
+        if self._routing_padding is not None:  # recomputed in backward, after `forward` returned
+            kwargs["routing_padding"] = self._routing_padding
         if args or self.config.fp8 or self.config.recompute_method != "uniform":
             return super()._checkpointed_forward(forward_func, *args, **kwargs)
         names = [k for k, v in kwargs.items() if torch.is_tensor(v)]

@@ -2,6 +2,12 @@
 
 Pure functions of a batch (any dataclass with the fields of
 `training.batches.Batch`); the index math they use is in `zigzag.py`.
+
+Pad tokens are marked in the batch's `padding_mask` (True: pad), which the
+model hands its routers (`models.composer_forward`): megatron-core's router
+leaves them out of the expert-bias counts (and the z-loss), so a padded
+batch moves the biases exactly as the unpadded one does. Everything else
+about a pad token (its output, its loss mask 0) is unchanged.
 """
 from __future__ import annotations
 
@@ -69,7 +75,8 @@ def packed_seq_params_for(lengths: Sequence[int]):
                            max_seqlen_q=longest, max_seqlen_kv=longest)
 
 
-_BATCH_FIELDS = ("tokens", "labels", "loss_mask", "position_ids", "segment_ids", "packed_seq_params")
+_BATCH_FIELDS = ("tokens", "labels", "loss_mask", "position_ids", "segment_ids", "packed_seq_params",
+                 "padding_mask")
 
 
 def extra_token_fields(batch) -> list[str]:
@@ -84,8 +91,9 @@ def pad_batch(batch, multiple: int, pad_token: int = 0):
     """Pad each document (packed) or each sequence (plain) to a multiple of `multiple`.
 
     Pad tokens and their labels are `pad_token` with loss_mask 0; they continue
-    their document's position ids and keep its segment id. Returns a new batch
-    (any dataclass with the fields of `training.batches.Batch`).
+    their document's position ids, keep its segment id and are True in
+    `padding_mask` (with the batch's own pad tokens, if it marks any). Returns a
+    new batch (any dataclass with the fields of `training.batches.Batch`).
     """
     lengths, packed = _batch_documents(batch)
     plan = document_padding(lengths, multiple)
@@ -99,6 +107,7 @@ def pad_batch(batch, multiple: int, pad_token: int = 0):
         value = take(getattr(batch, name))
         pad = is_pad.reshape(*is_pad.shape, *([1] * (value.dim() - 2)))
         extra[name] = torch.where(pad, torch.tensor(fills.get(name, 0), dtype=value.dtype), value)
+    padding = is_pad if batch.padding_mask is None else is_pad | take(batch.padding_mask)
     return dataclasses.replace(
         batch,
         **extra,
@@ -108,12 +117,13 @@ def pad_batch(batch, multiple: int, pad_token: int = 0):
         position_ids=take(batch.position_ids) + step,
         segment_ids=take(batch.segment_ids),
         packed_seq_params=packed_seq_params_for(plan.lengths) if packed else None,
+        padding_mask=padding.expand(batch.tokens.shape[0], -1).clone(),
     )
 
 
 def zigzag_batch(batch, cp_size: int, cp_rank: int, pad_to_multiple: bool = False, pad_token: int = 0):
     """This CP rank's share of a collated micro-batch (tokens, labels, loss mask,
-    position ids, segment ids); packed batches keep their global cu_seqlens.
+    position ids, segment ids, padding mask); packed batches keep their global cu_seqlens.
 
     Raises ValueError naming the length and the fix when a sequence/document is
     not divisible by 2*cp_size and `pad_to_multiple` is off.
@@ -135,4 +145,5 @@ def zigzag_batch(batch, cp_size: int, cp_rank: int, pad_to_multiple: bool = Fals
         position_ids=split(batch.position_ids),
         segment_ids=split(batch.segment_ids),
         packed_seq_params=packed_seq_params_for(lengths) if packed else None,
+        padding_mask=None if batch.padding_mask is None else split(batch.padding_mask),
     )

@@ -16,7 +16,8 @@ data-parallel ranks by cost, then cuts each rank's share into micro-batches
 under a token budget. Under expert parallelism (an all-to-all per MoE layer
 of every forward) and FSDP (an all-gather per layer) the data-parallel ranks
 run their forwards in lockstep, so a rank with fewer micro-batches than its
-peers runs `filler_batch`es: a few pad tokens that train nothing.
+peers runs `filler_batch`es: a few pad tokens that train nothing (and, marked
+in `padding_mask`, count toward no expert's load).
 
 Samples wait in the async RL buffer, which goes into checkpoints, so a
 sample (with its feedback hints and effort counts) turns into plain data
@@ -187,10 +188,10 @@ def pack_samples(samples: list[RolloutSample], pad_token: int = 0) -> RLBatch:
 def filler_batch(tokens: int, pad_token: int = 0) -> RLBatch:
     """A micro-batch of one document of `tokens` pad tokens with loss mask 0 (every per-token RL field
     its pad value): its forward and backward join the peers' collectives and add nothing to a loss,
-    a gradient or a metric (the loop keeps its routed tokens out of the expert-bias counts)."""
+    a gradient, a metric or the expert-bias counts (every token is True in `padding_mask`)."""
     zeros = torch.zeros(1, tokens)
     return RLBatch(tokens=torch.full((1, tokens), pad_token), labels=torch.full((1, tokens), pad_token),
                    loss_mask=zeros, position_ids=torch.arange(tokens)[None],
                    segment_ids=torch.zeros(1, tokens, dtype=torch.long),
                    packed_seq_params=packed_seq_params_for([tokens]), advantages=zeros.clone(),
-                   sampler_logp=zeros.clone(), filler=True)
+                   sampler_logp=zeros.clone(), padding_mask=torch.ones(1, tokens, dtype=torch.bool), filler=True)

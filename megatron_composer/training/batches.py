@@ -27,6 +27,9 @@ class Batch:
     position_ids: torch.Tensor  # [b, s] int64
     segment_ids: torch.Tensor  # [b, s] int64, document index within each sample
     packed_seq_params: Optional[PackedSeqParams] = None  # "thd" when b == 1 packed
+    # [b, s] bool, True on pad tokens (the zigzag split's, a filler micro-batch's): the routers leave
+    # them out of the expert-bias counts (`models.composer_forward`); None: no pad tokens
+    padding_mask: Optional[torch.Tensor] = None
 
     def to(self, device: torch.device, non_blocking: bool = True) -> "Batch":
         """This batch on `device`: every tensor, the packed params' cu_seqlens included.
@@ -54,7 +57,7 @@ class Batch:
                                                     if torch.is_tensor(getattr(params, f.name))})
             if lengths is not None:
                 setattr(params, DOC_LENGTHS_ATTR, lengths)
-        fields = ("tokens", "labels", "loss_mask", "position_ids", "segment_ids")
+        fields = ("tokens", "labels", "loss_mask", "position_ids", "segment_ids", "padding_mask")
         return dataclasses.replace(self, packed_seq_params=params, **{f: move(getattr(self, f)) for f in fields})
 
 

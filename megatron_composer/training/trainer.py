@@ -202,7 +202,7 @@ class Trainer:
         if self.pre_forward is not None:
             self.pre_forward(batch)
         logits, mtp_logits = composer_forward(self.model.module, batch.tokens, batch.position_ids,
-                                              batch.packed_seq_params)
+                                              batch.packed_seq_params, batch.padding_mask)
         return ModelOutput(logits, mtp_logits)
 
     def _all_reduce_dp_cp(self, t: torch.Tensor) -> torch.Tensor:
