@@ -49,7 +49,6 @@ from ..inference.sampling import token_logprobs
 from ..models import build_model, composer_forward
 from ..moe.replay import RouterReplayController
 from ..parallel import ParallelLayout, zigzag_batch
-from ..parallel.wrappers import unwrap
 from ..training.trainer import Trainer, TrainingData
 from .algorithms import default_normalizer, group_advantages, kl_estimate, kl_penalized_rewards
 from .backends import EngineBackend
@@ -106,9 +105,6 @@ class RLTrainer:
         # expert all-to-alls (EP) and FSDP all-gathers (HSDP) in every forward: the data-parallel ranks
         # run the same number of micro-batches, the short ones padded with `filler_batch`es
         self.lockstep = layout.ep > 1 or cfg.data_parallel_sharding == "hsdp"
-        self._bias_counts = [m.local_tokens_per_expert for m in unwrap(t.model).modules()
-                             if getattr(m, "local_tokens_per_expert", None) is not None]
-        self._held_counts = None
         t.pre_forward = self._pre_forward
         self.max_len = min(cfg.seq_length, model_cfg.max_position_embeddings)
         self.engine = self.backend = None  # the colocated engine needs whole weights on the rank
@@ -142,15 +138,9 @@ class RLTrainer:
         return self.trainer.loss_plugins
 
     def _pre_forward(self, batch) -> None:
-        """The trainer's `pre_forward`: keep a filler's tokens out of the expert-bias counts (restored
-        before the micro-batch after it: fillers come first), and route this micro-batch's tokens as
-        the sampler did."""
-        if self._held_counts is not None:
-            for counts, held in zip(self._bias_counts, self._held_counts):
-                counts.copy_(held)
-            self._held_counts = None
-        if getattr(batch, "filler", False):
-            self._held_counts = [c.clone() for c in self._bias_counts]
+        """The trainer's `pre_forward`: route this micro-batch's tokens as the sampler did (pad tokens,
+        recorded as -1, take the router's own experts; their `padding_mask` keeps them, and a filler's
+        tokens, out of the expert-bias counts)."""
         if self.replay is None:
             return
         if getattr(batch, "routed_experts", None) is not None:
@@ -279,7 +269,7 @@ class RLTrainer:
                     f"raise --prompts-per-step or --group-size, or lower --ppo-mini-batches")
             filler = zigzag_batch(filler_batch(2 * self.cp_size), self.cp_size, self.cp_rank)
             empty = torch.zeros(0, dtype=torch.long)
-            out = [(empty, filler)] * (max(map(len, plan)) - len(bins))  # first: see `_pre_forward`
+            out = [(empty, filler)] * (max(map(len, plan)) - len(bins))
         for local in bins:
             members = [members_of[i] for i in local]
             batch = zigzag_batch(pack_samples([samples[i] for i in members]), self.cp_size, self.cp_rank,
