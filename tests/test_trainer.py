@@ -40,8 +40,10 @@ class UnevenDataset(torch.utils.data.Dataset):
 
 
 def _step_summary(tr, steps=1):
-    """Losses and grad norms of `steps` steps, and the reduced gradients of the
-    first one (dense parameters, gathered if sharded) just before the update.
+    """Losses and grad norms of `steps` steps, the reduced gradients of the
+    first one (dense parameters, gathered if sharded) just before the update,
+    and the expert biases after the steps (aux-loss-free balancing counts only
+    real tokens, so they match exactly however the batch was split or padded).
 
     Gradients, not updated weights, are compared: AdamW's first update is
     about lr * sign(g), which turns rounding noise in near-zero gradients into
@@ -61,11 +63,15 @@ def _step_summary(tr, steps=1):
     for _ in range(steps):
         r = tr.step()
         out.append((r.lm_loss, r.mtp_loss, r.grad_norm))
-    return out, grads
+    biases = {n: b.detach().clone() for n, b in tr.model.gpt.named_buffers() if n.endswith("expert_bias")}
+    return out, grads, biases
 
 
 def _assert_same(a, b, rel=1e-5):
-    (steps_a, grads_a), (steps_b, grads_b) = a, b
+    (steps_a, grads_a, biases_a), (steps_b, grads_b, biases_b) = a, b
+    assert biases_a.keys() == biases_b.keys() and len(biases_a) >= 2  # decoder and MTP routers
+    for name in biases_a:
+        torch.testing.assert_close(biases_a[name], biases_b[name], rtol=0, atol=0, msg=name)
     for (la, ma, ga), (lb, mb, gb) in zip(steps_a, steps_b):
         assert la == pytest.approx(lb, rel=rel) and ma == pytest.approx(mb, rel=rel * 10)
         assert ga == pytest.approx(gb, rel=rel * 10)

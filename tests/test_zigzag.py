@@ -109,10 +109,13 @@ def test_padding_by_hand():
     assert padded.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7]]
     assert padded.segment_ids.tolist() == [[0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1]]
     assert padded.packed_seq_params.cu_seqlens_q.tolist() == [0, 4, 12]
+    assert padded.padding_mask.tolist() == [[False] * 3 + [True] + [False] * 5 + [True] * 3]
+    assert pad_batch(_batch([4, 8]), 4).padding_mask is None  # nothing to pad
     # plain sequences pad at the end of every row
     plain = pad_batch(_batch([6], rows=2, packed=False), 4)
     assert plain.tokens.shape == (2, 8) and plain.packed_seq_params is None
     assert plain.loss_mask[:, 6:].sum() == 0
+    assert plain.padding_mask.tolist() == [[False] * 6 + [True] * 2] * 2
 
 
 def test_zigzag_batch_splits_every_field_and_keeps_global_cu_seqlens():
@@ -129,6 +132,8 @@ def test_zigzag_batch_splits_every_field_and_keeps_global_cu_seqlens():
     assert padded.packed_seq_params.cu_seqlens_q.tolist() == [0, 8, 12]
     assert padded.tokens.tolist() == [[10, 11, 16, 0, 17, 0]]
     assert padded.loss_mask.tolist() == [[1, 1, 1, 0, 1, 0]]
+    assert padded.padding_mask.tolist() == [[False, False, False, True, False, True]]
+    assert local.padding_mask is None
 
 
 def _simulated_cp_shift(x, layout, shift, fill):
