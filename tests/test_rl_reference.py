@@ -75,3 +75,28 @@ def test_reference_offload_step_equals_resident(data_dir, world, layout):
         assert all(t.device.type == "cpu" for t in host)
         if device.type == "cuda":
             assert all(t.is_pinned() for t in host)
+
+
+def test_planner_reference_follows_hsdp_and_offload():
+    """The planner's reference bytes: the fp32 EP share under DDP; under HSDP rank 0's padded shards (dense
+    tensors over the dense shard group of 4 = CP, experts over EDP = 8 / EP 2 = 4: ceil of dim 0 over the
+    group, as torch.chunk); offloaded, none resident and a reference phase that holds it (`planner/rl.py`)."""
+    from megatron_composer.config.model import parameter_inventory
+    from megatron_composer.planner.rl import reference_bytes, trainer_memory
+    from tests.test_plan import _rl_setup
+
+    ddp = _rl_setup(kl_coef=0.1)
+    ddp = ddp.replace(cluster=ddp.cluster.replace(ep=2))
+    inventory = parameter_inventory(ddp.model, 2)
+    assert reference_bytes(ddp) == 4 * sum(p.numel for p in inventory)
+    hsdp = ddp.replace(cluster=ddp.cluster.replace(data_parallel_sharding="hsdp", dense_shard_size=4))
+    by_hand = 0
+    for p in inventory:
+        rest = p.numel // p.shape[0]
+        by_hand += 4 * -(-p.shape[0] // 4) * rest  # dense over 4, experts over EDP 4: the same group size here
+    assert reference_bytes(hsdp) == by_hand < reference_bytes(ddp) / 3
+    memory, parts = trainer_memory(hsdp)
+    assert memory["reference_model"] == by_hand and parts["reference_phase"] is None
+    offloaded, parts = trainer_memory(hsdp.replace(reference_offload=True))
+    assert offloaded["reference_model"] == 0 and offloaded["total"] == memory["total"] - by_hand
+    assert parts["reference_phase"] > by_hand + offloaded["parameters"] + offloaded["optimizer_state"]

@@ -6,9 +6,10 @@ log-prob of every token), and holds the weights RL started from. Its placement:
 * the policy's layout: under EP this rank's experts only; under CP the forward runs on the rank's zigzag
   share; under HSDP (`--data-parallel-sharding hsdp`) the weights are sharded like the policy's, by the
   same `parallel.fsdp.apply_dual_mesh_hsdp` over the policy's own meshes (dense weights over the dense
-  shard group, experts over the expert-data-parallel ranks), with no gradients and no optimizer state:
-  each forward all-gathers one layer at a time, as the policy's does. Memory per rank: 4 bytes (fp32)
-  per parameter of the rank's EP share, divided by the shard sizes under HSDP;
+  shard group, experts over the expert-data-parallel ranks), with no gradients and no optimizer state.
+  Each unit is resharded after its forward (the policy's dense units keep theirs for the backward), so
+  a forward holds one gathered layer at a time. Memory per rank: 4 bytes (fp32) per parameter of the
+  rank's EP share, divided by the shard sizes under HSDP (`planner.rl.reference_bytes`);
 * `--reference-offload`, on any layout: the parameters (the HSDP shards, where sharded) stay in host
   memory, pinned under CUDA, and are copied to the device for the step's reference forwards
   (`ReferenceModel.resident`). The host copy is kept, so the way back copies nothing (the weights are
@@ -101,8 +102,7 @@ class ReferenceModel:
             self.module._apply(lambda t: next(kept))
 
     def _reshard(self) -> None:
-        """Free the all-gathered weights: FSDP2 keeps a root unit's after its forward (under HSDP every
-        dense unit is a root), which would leave the whole dense reference on every rank."""
+        """Free any gathered weights left after the forwards (a forward that raised midway)."""
         for m in self.module.modules():
             if isinstance(m, FSDPModule):
                 m.reshard()
@@ -127,5 +127,5 @@ def build_reference_model(trainer, load: Optional[str], offload: bool) -> Refere
         load_model_state_dict(ref, {name: full(v) for name, v in model_state_dict(trainer.model).items()})
     if trainer.cfg.data_parallel_sharding == "hsdp":  # loaded whole, then sharded, as the policy is
         dense, experts = _policy_meshes(trainer.model)
-        apply_dual_mesh_hsdp(ref, dense, experts)
+        apply_dual_mesh_hsdp(ref, dense, experts, reshard_after_forward=True)
     return ReferenceModel(ref, trainer.device, offload)
