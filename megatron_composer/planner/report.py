@@ -142,7 +142,7 @@ RL_MEMORY_LABELS = {
     "main_weights": "fp32 main weights",
     "gradients": "gradients (fp32)",
     "optimizer_state": "optimizer state",
-    "reference_model": "reference model (fp32, EP share / HSDP shard)",
+    "reference_model": "reference model (fp32, EP share or shard)",
     "activations": "activations (saved for backward)",
     "kv_latent_all_gather": "KV-latent all-gather buffers",
     "logits_and_loss": "logits",
