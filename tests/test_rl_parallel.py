@@ -67,7 +67,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
 
 
-def _rl_step(rank, world, tokenizer_model, start, save=False, **layout):
+def _rl_step(rank, world, tokenizer_model, start, save=False, probe=None, **layout):
     """({metric: value} of SCALARS, {global name: gradient of the first update}, {global name: weight
     after the step}) on this rank, resumed from the weights-only checkpoint `start` (which the one-rank
     run saves first), the reference model loaded from it at the same layout."""
@@ -92,6 +92,8 @@ def _rl_step(rank, world, tokenizer_model, start, save=False, **layout):
     samples = _samples(len(trainer.replay.replays), trainer.model_cfg.num_experts,
                        trainer.model_cfg.moe_router_topk)
     metrics = trainer.train_on(samples)
+    if probe is not None:
+        probe(trainer)
     state = {name: _full(v) for name, v in model_state_dict(trainer.model).items()}
     return {k: metrics[k] for k in SCALARS}, grads, state
 
@@ -147,13 +149,30 @@ def test_rl_step_at_ep2_equals_one_rank(one_rank):
     _assert_same(_merged(run_distributed(_rl_step, 2, tokenizer, weights, ep=2, timeout=TIMEOUT_S)), want)
 
 
+def _reference_sharded_like_policy(trainer):
+    """HSDP: after the step the reference holds this rank's shard of each weight, as the policy does (the
+    dense weights halved over the 2 ranks), not a whole copy."""
+    from megatron_composer.parallel.wrappers import unwrap
+
+    local = lambda p: getattr(p, "_local_tensor", p)  # noqa: E731
+    reference = dict(trainer.reference.module.named_parameters())
+    policy = dict(unwrap(trainer.model).named_parameters())
+    assert reference.keys() == policy.keys()
+    for name, p in policy.items():
+        assert local(reference[name]).shape == local(p).shape, name
+    dense = [p for name, p in reference.items() if ".experts." not in name]
+    assert sum(local(p).numel() for p in dense) < 0.6 * sum(p.numel() for p in dense)
+
+
 def _hsdp(rank, world, tokenizer, weights):
     """HSDP on 2 ranks: the dense weights sharded over both, EP=2."""
-    return _rl_step(rank, world, tokenizer, weights, ep=2, sharding="hsdp", dense_shard_size=2)
+    return _rl_step(rank, world, tokenizer, weights, ep=2, sharding="hsdp", dense_shard_size=2,
+                    probe=_reference_sharded_like_policy)
 
 
 def test_rl_step_under_hsdp_equals_one_rank(one_rank):
-    """--data-parallel-sharding hsdp: dense weights sharded over the 2 ranks, experts split (EP=2)."""
+    """--data-parallel-sharding hsdp: dense weights sharded over the 2 ranks, experts split (EP=2); the
+    reference model sharded like the policy gives the one-rank KL."""
     tokenizer, weights, want = one_rank
     _assert_same(_merged(run_distributed(_hsdp, 2, tokenizer, weights, timeout=TIMEOUT_S)), want)
 

@@ -95,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rl-micro-batch-tokens", dest="micro_batch_tokens", type=int, default=None,
                    help="packed tokens per training micro-batch (default: --seq-length)")
     g.add_argument("--kl-coef", type=float, default=0.0, help="> 0: the reference model is on every trainer rank")
+    g.add_argument("--reference-offload", action="store_true",
+                   help="the reference model in host memory between steps (train_rl.py's flag)")
     g.add_argument("--ppo-mini-batches", type=int, default=1)
 
     g = p.add_argument_group("hardware assumptions (defaults: the GPU's datasheet figures)")
@@ -173,6 +175,7 @@ def rl_setup_from_args(args):
     cluster = setup_from_args(args).replace(seq_length=None)
     return RLPlanSetup(cluster, rollout, trainer_ranks=args.trainer_ranks, inference_workers=args.inference_workers,
                        inference_gpus_per_worker=args.inference_gpus_per_worker, kl_coef=args.kl_coef,
+                       reference_offload=args.reference_offload,
                        ppo_mini_batches=args.ppo_mini_batches)
 
 
@@ -200,6 +203,7 @@ def rl_setup_from_run(run, *, nodes: int, gpus_per_node: int, gpu: str = "h200",
     workers = run.async_rl.inference_workers if run.async_rl.enabled else 0
     return RLPlanSetup(cluster, rollout, trainer_ranks=run.async_rl.trainer_ranks if workers else None,
                        inference_workers=workers, kl_coef=rl.algorithm.kl_coef,
+                       reference_offload=rl.algorithm.reference_offload,
                        ppo_mini_batches=rl.algorithm.ppo_mini_batches)
 
 

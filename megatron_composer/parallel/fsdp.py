@@ -93,12 +93,18 @@ def _sum_gradients(module) -> None:
     module.set_force_sum_reduction_for_comms(True)
 
 
-def apply_dual_mesh_hsdp(model, dense: DeviceMesh, experts: DeviceMesh, mp_policy=None):
+def apply_dual_mesh_hsdp(model, dense: DeviceMesh, experts: DeviceMesh, mp_policy=None,
+                         reshard_after_forward: Optional[bool] = None):
     """Shard `model` (a GPTModel) in place: experts over `experts`, the rest over `dense`.
 
     `mp_policy`: an FSDP2 `MixedPrecisionPolicy` (bf16 compute over fp32 shards), or None.
+    `reshard_after_forward`: None is FSDP2's default (every unit called directly is a root, which keeps its
+    weights gathered after its forward, for the backward); True frees each unit's after its forward (a
+    model that only runs forwards, as the RL reference).
     """
     extra = {"mp_policy": mp_policy} if mp_policy is not None else {}
+    if reshard_after_forward is not None:
+        extra["reshard_after_forward"] = reshard_after_forward
     if model.share_embeddings_and_output_weights:
         raise ValueError("HSDP sharding needs untied embeddings and output weights "
                          "(untie_embeddings_and_output_weights=True)")

@@ -142,7 +142,7 @@ RL_MEMORY_LABELS = {
     "main_weights": "fp32 main weights",
     "gradients": "gradients (fp32)",
     "optimizer_state": "optimizer state",
-    "reference_model": "reference model (fp32, whole EP share)",
+    "reference_model": "reference model (fp32, EP share or shard)",
     "activations": "activations (saved for backward)",
     "kv_latent_all_gather": "KV-latent all-gather buffers",
     "logits_and_loss": "logits",
@@ -174,7 +174,9 @@ def _rl_header(p) -> list[str]:
     experts = f" ({rl.model.num_experts // t.ep} of {rl.model.num_experts} experts per GPU)" \
         if rl.model.num_moe_layers else ""
     reference = ("none (--kl-coef 0)" if not rl.kl_coef else
-                 "a second fp32 model of the rank's EP share on every trainer rank (today's build_reference)")
+                 "a second fp32 model of the rank's EP share on every trainer rank"
+                 + (", sharded like the policy" if t.data_parallel_sharding == "hsdp" else "")
+                 + (", in host memory between steps (--reference-offload)" if rl.reference_offload else ""))
     logprobs = "in chunks of positions" if rl.chunked_logprobs else "unchunked fp32 [T x V]"
     return [
         f"plan: {c.model_preset}, stage rl, {c.nodes} x {c.gpus_per_node} {c.gpu.name} = {c.world_size} GPUs: "
@@ -201,6 +203,8 @@ def format_rl_text(p) -> str:
               f"(the larger counts: they do not overlap)"]
     if parts["rollout_phase"] is not None:
         lines.append(f"  {'rollout phase (states + engine step)':<42}{_gib(parts['rollout_phase'])}  estimate")
+    if parts.get("reference_phase") is not None:
+        lines.append(f"  {'reference phase (states + reference)':<42}{_gib(parts['reference_phase'])}  estimate")
     if p.inference_memory is not None:
         m = p.inference_memory
         lines += [""] + _memory_table("memory per inference GPU", m, ENGINE_LABELS, ENGINE_EXACT, t.gpu.name,
@@ -233,7 +237,7 @@ def rl_to_json(p) -> dict:
                     "prompts_per_step": r.prompts_per_step, "group_size": r.group_size,
                     "rollout_batch_size": r.rollout_batch_size, "seq_length": r.seq,
                     "micro_batch_tokens": r.micro_tokens},
-        "kl_coef": rl.kl_coef, "chunked_logprobs": rl.chunked_logprobs,
+        "kl_coef": rl.kl_coef, "reference_offload": rl.reference_offload, "chunked_logprobs": rl.chunked_logprobs,
         "trainer_memory_parts": dict(p.parts),
         "inference_memory_bytes": p.inference_memory,
         "rollout_seconds": p.rollout, "train_step_seconds": p.trainer.step_seconds,

@@ -12,9 +12,12 @@
 are derived here. What one trainer GPU holds in an RL step, as `rl/trainer.py` runs it today:
 
 * the policy's parameters, gradients and optimizer state, exactly as in CPT (`states.py`);
-* the reference model when `--kl-coef` > 0 (exact): `RLTrainer.build_reference` builds a second model with
-  the trainer's layout in fp32 and moves it to the GPU, not sharded by HSDP: 4 bytes for every parameter of
-  the rank's EP share, on every rank;
+* the reference model when `--kl-coef` > 0 (exact; `rl/reference.py`): a second model at the trainer's
+  layout in fp32, 4 bytes for every parameter of the rank's EP share, under HSDP sharded like the policy
+  (padded fp32 shards, as `states.state_bytes` counts the policy's); with `reference_offload` it sits in
+  host memory and the GPU holds it only during the step's reference forwards, before training
+  (`parts["reference_phase"]`: the states, the reference, one gathered fp32 unit under HSDP, the
+  log-probs), at the cost of copying its bytes host-to-device once per step;
 * the activations of one packed micro-batch (`activations.py`): samples of prompt + response tokens packed
   whole into `--rl-micro-batch-tokens` (floor(M / L) samples of L tokens), padded to a multiple of 2 x CP and
   split over CP; attention FLOPs span one sample, not the micro-batch;
@@ -46,6 +49,7 @@ from typing import Optional
 from ..config.model import ModelConfig, parameter_inventory
 from .activations import CUDA_LOSS_CHUNK_ELEMENTS, LOSS_CHUNKS_LIVE
 from .advice import advise as find_knobs
+from .comm import unit_sizes
 from .inference import (
     EngineShape,
     check_inference_worker_fits,
@@ -55,6 +59,7 @@ from .inference import (
     rollout_seconds,
 )
 from .plan import GiB, Plan, PlanSetup, make_plan, plan_memory
+from .states import state_bytes
 
 LOGPROB_FP32_TENSORS = 5  # the unchunked log-prob path's fp32 [T x V] tensors alive at once (module docstring)
 
@@ -110,6 +115,7 @@ class RLPlanSetup:
     inference_workers: int = 0  # 0: the synchronous driver, an engine colocated on every trainer rank
     inference_gpus_per_worker: int = 1  # 1: a whole model per worker (what train_rl.py runs)
     kl_coef: float = 0.0
+    reference_offload: bool = False
     ppo_mini_batches: int = 1
     chunked_logprobs: bool = True
 
@@ -207,14 +213,29 @@ def logprob_bytes(c: ModelConfig, tokens: int, chunked: bool) -> int:
 
 
 def reference_bytes(rl: RLPlanSetup) -> int:
-    """`RLTrainer.build_reference`: an fp32 model of the rank's EP share, when --kl-coef > 0 (exact)."""
+    """The reference model's bytes on trainer rank 0 when --kl-coef > 0 (exact; module docstring), wherever
+    it is held: fp32, the rank's EP share, under HSDP its padded shards."""
     if not rl.kl_coef:
         return 0
-    return 4 * sum(p.numel for p in parameter_inventory(rl.model, rl.cluster.ep))
+    t = trainer_setup(rl)
+    inventory = parameter_inventory(rl.model, t.ep)
+    if t.data_parallel_sharding != "hsdp":
+        return 4 * sum(p.numel for p in inventory)
+    return state_bytes(inventory, rl.model, sharding="hsdp", world_size=t.world_size, ep=t.ep,
+                       dense_shard_size=t.shard, cp=t.cp).parameters
+
+
+def _reference_unit_bytes(rl: RLPlanSetup) -> int:
+    """Under HSDP, the largest reference unit gathered whole in fp32 during its forward (0 under DDP)."""
+    t = trainer_setup(rl)
+    if not rl.kl_coef or t.data_parallel_sharding != "hsdp":
+        return 0
+    return 4 * max(n for n, _ in unit_sizes(parameter_inventory(rl.model, t.ep)).values())
 
 
 def trainer_memory(rl: RLPlanSetup) -> tuple[dict, dict]:
-    """(memory by category with "total", its parts: "logprobs", "backward", "rollout_phase") for trainer rank 0."""
+    """(memory by category with "total", its parts: "logprobs", "backward", "rollout_phase", "reference_phase")
+    for trainer rank 0."""
     t = trainer_setup(rl)
     states, act, cpt, _ = plan_memory(t)
     logprobs = logprob_bytes(rl.model, t.seq // t.cp, rl.chunked_logprobs)
@@ -222,7 +243,7 @@ def trainer_memory(rl: RLPlanSetup) -> tuple[dict, dict]:
     colocated = kv_cache_bytes(rl.model, rl.rollout.rollout_batch_size, rl.max_model_len, a) if rl.colocated else 0
     memory = {k: v for k, v in cpt.items() if k not in ("transient", "reserved", "total")}
     memory = {**{k: memory.pop(k) for k in ("parameters", "main_weights", "gradients", "optimizer_state")},
-              "reference_model": reference_bytes(rl), **memory,
+              "reference_model": 0 if rl.reference_offload else reference_bytes(rl), **memory,
               "transient": max(cpt["transient"], logprobs), "colocated_kv_cache": colocated,
               "reserved": cpt["reserved"]}
     memory["total"] = sum(memory.values())
@@ -230,14 +251,19 @@ def trainer_memory(rl: RLPlanSetup) -> tuple[dict, dict]:
     if rl.colocated:
         held = states.total + memory["reference_model"] + colocated + memory["fsdp_buffers"] + cpt["reserved"]
         rollout_phase = held + engine_memory(rl.model, rl.engine)["working_set"]
-    return memory, {"logprobs": logprobs, "backward": cpt["transient"], "rollout_phase": rollout_phase}
+    reference_phase = None
+    if rl.kl_coef and rl.reference_offload:  # copied in for the reference forwards, before any activation
+        reference_phase = (states.total + reference_bytes(rl) + _reference_unit_bytes(rl) + logprobs + colocated
+                           + cpt["reserved"])
+    return memory, {"logprobs": logprobs, "backward": cpt["transient"], "rollout_phase": rollout_phase,
+                    "reference_phase": reference_phase}
 
 
 @dataclass
 class RLPlan:
     setup: RLPlanSetup
     trainer: Plan  # its memory: `trainer_memory`'s categories
-    parts: dict  # "logprobs", "backward", "rollout_phase" (bytes)
+    parts: dict  # "logprobs", "backward", "rollout_phase", "reference_phase" (bytes)
     inference_memory: Optional[dict]  # one inference GPU (`inference.engine_memory`); None when colocated
     rollout: dict  # `inference.rollout_seconds`
     advice: list[str] = field(default_factory=list)
@@ -245,7 +271,8 @@ class RLPlan:
     @property
     def trainer_fits(self) -> bool:
         cap = self.setup.cluster.capacity
-        return self.trainer.memory["total"] <= cap and (self.parts["rollout_phase"] or 0) <= cap
+        return self.trainer.memory["total"] <= cap and max(self.parts["rollout_phase"] or 0,
+                                                           self.parts["reference_phase"] or 0) <= cap
 
     @property
     def inference_fits(self) -> bool:

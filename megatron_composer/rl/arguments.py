@@ -59,6 +59,9 @@ def build_rl_parser():
     g.add_argument("--kl-coef", type=float, default=d.kl_coef, help="0: no KL, no reference model")
     g.add_argument("--kl-kind", choices=sorted(KL_ESTIMATORS), default=d.kl_kind)
     g.add_argument("--kl-placement", choices=KL_PLACEMENTS, default=d.kl_placement)
+    g.add_argument("--reference-offload", action="store_true", default=d.reference_offload,
+                   help="keep the reference model's weights in host memory (pinned under CUDA) and copy them "
+                        "to the device only for the step's reference forwards")
     g.add_argument("--policy-loss", default=d.policy_loss,
                    help="the policy loss (rl/policy_losses.py registry): dr_grpo, ppo_clip, decoupled_ppo")
     g.add_argument("--ppo-mini-batches", type=int, default=d.ppo_mini_batches,

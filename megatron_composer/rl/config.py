@@ -59,6 +59,7 @@ class AlgorithmConfig:
     kl_coef: float = 0.0
     kl_kind: str = "k1"
     kl_placement: str = "reward"
+    reference_offload: bool = False  # the reference's weights in host memory between its forwards
     router_replay: bool = True
     replay_plausibility_threshold: float = 0.0
     micro_batch_tokens: int = 2048  # packed tokens per micro-batch

@@ -41,7 +41,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..checkpoint.state import load_model_state_dict, model_state_dict
 from ..config.model import ModelConfig
 from ..config.training import TrainingConfig
 from ..inference.engine import Engine
@@ -59,6 +58,7 @@ from .feedback import build_rules, feedback_metrics
 from .feedback_loss import FeedbackLoss, FeedbackTeacher, TeacherWeights
 from .loss import PolicyLoss
 from .packing import attention_costs, plan_step
+from .reference import build_reference_model
 from .rewards import EffortCounts, import_reward_terms, parse_reward_weights, reward_terms, score
 
 
@@ -168,25 +168,13 @@ class RLTrainer:
 
     # ---- start-up -----------------------------------------------------------------------
     def build_reference(self) -> None:
-        """The frozen reference model for the KL: the weights RL started from, at the policy's layout
-        (under EP this rank's experts only; under HSDP an unsharded copy of the dense weights)."""
+        """The frozen reference model for the KL: the weights RL started from, at the policy's layout (under
+        HSDP sharded like the policy), in host memory between steps with --reference-offload
+        (`rl/reference.py`)."""
         if not self.rl.algorithm.kl_coef:
             return
-        t = self.trainer
-        ref = build_model(t.model_cfg, t.layout, seq_length=t.cfg.seq_length).to(t.device)
-        root = t.extra_meta.get("rl_reference")
-        if root:
-            from ..checkpoint import load_checkpoint
-            from ..checkpoint.tracker import latest_iteration
-
-            load_checkpoint(root, ref, iteration=latest_iteration(root), allow_missing=("mtp.",),
-                            verify=t.cfg.checkpoint.verify_checkpoint)
-        else:  # whole tensors (HSDP shards the policy's), under global names (EP: this rank's experts)
-            full = lambda v: v.full_tensor() if hasattr(v, "full_tensor") else v  # noqa: E731
-            load_model_state_dict(ref, {name: full(v) for name, v in model_state_dict(t.model).items()})
-        for p in ref.parameters():
-            p.requires_grad_(False)
-        self.reference = ref.eval()
+        self.reference = build_reference_model(self.trainer, self.trainer.extra_meta.get("rl_reference"),
+                                               self.rl.algorithm.reference_offload)
 
     def resume(self) -> None:
         """--load (weights only from an SFT checkpoint, everything from an RL run), then the reference."""
@@ -299,12 +287,13 @@ class RLTrainer:
                  for j in range(rl.algorithm.ppo_mini_batches)]
         kl_sums = torch.zeros(count, dtype=torch.float64)  # per trajectory
         if self.reference is not None:
-            for members, batch in (mb for mini in minis for mb in mini):
-                batch.ref_logp = self._forward_logprobs(self.reference, batch)
-                if batch.filler:
-                    continue
-                kl = kl_estimate(batch.sampler_logp, batch.ref_logp, rl.algorithm.kl_kind) * batch.loss_mask
-                kl_sums.index_add_(0, owner[members][batch.segment_ids[0]], kl[0].double())
+            with self.reference.resident() as reference:  # on the device for these forwards only
+                for members, batch in (mb for mini in minis for mb in mini):
+                    batch.ref_logp = self._forward_logprobs(reference, batch)
+                    if batch.filler:
+                        continue
+                    kl = kl_estimate(batch.sampler_logp, batch.ref_logp, rl.algorithm.kl_kind) * batch.loss_mask
+                    kl_sums.index_add_(0, owner[members][batch.segment_ids[0]], kl[0].double())
             self._all_reduce_dp_cp(kl_sums)  # each token lives on one (DP, CP) rank
         rewards = totals.double()
         if rl.algorithm.kl_coef and rl.algorithm.kl_placement == "reward":
