@@ -16,7 +16,7 @@ value did change, only its low mantissa bits do: the sign and exponent
 planes stay zero and compress even then. The subscriber XORs the payload into
 its copy and gets the new weights bit for bit.
 
-    publisher = WeightPublisher(dtype=torch.bfloat16)      # on the trainer (rank 0 or each rank's shard)
+    publisher = WeightPublisher(dtype=torch.bfloat16)      # on the trainer's rank 0 (the whole weights)
     update = publisher.publish(model_state, version=step)  # full the first time, a delta after
     subscriber = WeightSubscriber()                        # on each inference worker
     state = subscriber.apply(update)                       # {name: tensor}, bit-exact, for Engine.update_weights
