@@ -123,3 +123,19 @@ def test_sharded_trainer_ranks_publish_the_whole_policy(one_rank, flags):
     _same_bits(second, whole)
     for name, t in want_second.items():  # the sharded step equals the one-rank step up to reassociation
         torch.testing.assert_close(second[name].float(), t.float(), rtol=2 ** -7, atol=1e-5, msg=name)
+
+
+def test_a_layout_whose_tensors_the_gather_cannot_join_is_refused_before_ray_starts():
+    """TP splits tensors along dimensions the publish gather does not join: refused with the fix named,
+    by the driver before Ray starts and by a trainer worker before it joins a process group."""
+    ray = pytest.importorskip("ray")
+    from megatron_composer.rl.async_rl.runner import AsyncRLRunner
+    from megatron_composer.rl.async_rl.services import TrainerWorker
+
+    argv = ["--async-rl", "--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "2"]
+    with pytest.raises(ValueError, match="--tensor-model-parallel-size 2 splits tensors.*use "
+                                         "--tensor-model-parallel-size 1 with --expert-model-parallel-size"):
+        AsyncRLRunner(argv)
+    assert not ray.is_initialized()
+    with pytest.raises(ValueError, match="--tensor-model-parallel-size 2"):
+        TrainerWorker(argv, 0, 2)

@@ -78,11 +78,12 @@ class AsyncRLRunner:
             from ..arguments import parse_rl_args
 
             run = parse_rl_args(list(run))
+        # before Ray starts: the inference workers need whole weights, which the trainer ranks gather
+        check_publishable(run.parallel.tensor_model_parallel_size, run.parallel.pipeline_model_parallel_size,
+                          run.parallel.expert_tensor_parallel_size)
         self.run_config, self.cfg, self.rl = run, run.training, run.rl
         args, rl = run.async_rl, self.rl  # args: the asynchronous services section
         self.on_step = on_step
-        check_publishable(run.parallel.tensor_model_parallel_size, run.parallel.pipeline_model_parallel_size,
-                          run.parallel.expert_tensor_parallel_size)
         if not ray.is_initialized():
             if args.ray_address:
                 ray.init(address=args.ray_address, log_to_driver=True)
