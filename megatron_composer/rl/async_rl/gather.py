@@ -56,7 +56,7 @@ def _expert_group() -> tuple[int, Optional[dist.ProcessGroup], list[int]]:
     return dist.get_world_size(group), group, dist.get_process_group_ranks(group)
 
 
-def gather_policy(model, to_host: Callable[[torch.Tensor], torch.Tensor], *,
+def gather_policy(model, to_host: Optional[Callable[[torch.Tensor], torch.Tensor]], *,
                   dst: int = 0) -> Optional[dict[str, torch.Tensor]]:
     """{global name: to_host(whole tensor)} of the model's parameters and persistent buffers on global rank
     `dst`, None on the other ranks (module docstring: a collective every rank joins).
@@ -64,7 +64,8 @@ def gather_policy(model, to_host: Callable[[torch.Tensor], torch.Tensor], *,
     Args:
         model: the (wrapped) megatron-core GPTModel of this trainer rank.
         to_host: takes one whole tensor (on this rank's device, any dtype) and returns what is kept
-            (e.g. `WeightPublisher.copy_tensor`: on the host, in the wire dtype).
+            (e.g. `WeightPublisher.copy_tensor`: on the host, in the wire dtype); None on the ranks
+            other than `dst`, which keep nothing.
         dst: the global rank that keeps the result.
     """
     gpt = unwrap(model)

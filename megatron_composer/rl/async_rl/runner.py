@@ -27,9 +27,9 @@ The driver's loop (`AsyncRLRunner.run`):
    evaluator swap them in between decode steps, so sequences in flight
    continue and later tokens carry the new version; a subscriber that cannot
    apply a delta (it restarted) gets a full snapshot. With
-   `--synchronous-rollouts` the driver waits until every subscriber has the
-   new weights before it launches the next step's groups, so every token is
-   sampled by the newest policy;
+   `--synchronous-rollouts` the driver waits until every inference worker has
+   the new weights before it launches the next step's groups, so every token
+   is sampled by the newest policy;
 5. checkpoint every `--save-interval` steps with the reconciler's state inside
    (ready groups with their versions, ids owed), so a kill -9 of the whole job
    and a restart with `--load` loses or repeats no group; evaluate every
