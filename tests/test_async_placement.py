@@ -26,13 +26,15 @@ ray = pytest.importorskip("ray")
 
 
 def _fake_trainer(seen):
-    """build_rl_trainer's stand-in: the distributed bootstrap only, recording what it chose."""
+    """build_rl_trainer's stand-in: the distributed bootstrap only, recording what it chose (its model has no
+    weights for `setup` to publish)."""
     from megatron_composer.platform import distributed as pd
 
     def build(run, log=None):
         env = pd.init_distributed()
         seen.update(env=env, device=pd.local_device())
-        return types.SimpleNamespace(rl=run.rl, log=types.SimpleNamespace(close=lambda: None), resume=lambda: None)
+        return types.SimpleNamespace(rl=run.rl, log=types.SimpleNamespace(close=lambda: None), resume=lambda: None,
+                                     model=torch.nn.Module(), state=types.SimpleNamespace(iteration=0))
 
     return build
 

@@ -1,13 +1,28 @@
 """Asynchronous RL on Ray end to end: kill -9 of the whole job and of each kind of service; placement.
 
-The first test: one job in two lives. The first runs on a Ray instance of its own and is
-killed with SIGKILL (its whole process group: driver, Ray, every actor) once
-its step-2 checkpoint is published. The second resumes from that checkpoint
-on a loopback "cluster" started with `ray start --head` (`--ray-address`),
-and while it runs the test kills an inference worker, an environment worker
-and the evaluator with SIGKILL. The job must finish, train every group id at
-most once over both lives, train the ready groups the checkpoint held, and
+The first test: one job in two lives, on two trainer ranks at expert-parallel
+size 2 (each publication gathers both ranks' experts for the inference
+workers, which hold the whole model). The first runs on a Ray instance of its
+own and is killed with SIGKILL (its whole process group: driver, Ray, every
+actor) once it has logged step 3, after its step-2 checkpoint. The second
+resumes from that checkpoint on a loopback "cluster" started with
+`ray start --head` (`--ray-address`), and while it runs the test kills an
+inference worker, an environment worker and the evaluator with SIGKILL. The
+job must finish, train every group id exactly once over both lives, and
 evaluate after its evaluator was killed.
+
+Same trajectory: the run is on-policy and deterministic (`--synchronous-rollouts`:
+a step's groups are launched once every inference worker has the newest
+weights, so every token is sampled by them; `--rollout-batch-size 1`: each
+sequence is decoded alone, so its log-probs do not depend on what else the
+engine batched; each group's sampling seeds follow from its id). So the
+resumed life's step 3 must equal the first life's step 3, which ran
+uninterrupted from the same checkpoint, bit for bit: the same groups and
+rewards, the sampler's log-probs (their mismatch with the trainer's), the
+losses and the gradient norm. (The tiny model from random init gives every
+trajectory of a group the same reward, so the policy loss is 0 here and the
+gradient is the MTP and router losses'; `test_async_publish.py` steps on groups
+whose rewards differ.)
 
 The second places stand-in actors on a loopback Ray instance that declares
 GPUs (the placement checks and groups of `rl/async_rl/placement.py`).
@@ -24,6 +39,9 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIMIT_S = float(os.environ.get("MC_ASYNC_TEST_TIMEOUT", 480))
+# a step's measures that follow from its groups and weights alone (not from timing)
+TRAJECTORY = ("trained groups", "reward", "advantage abs", "completion length", "policy loss", "grad norm",
+              "mtp loss", "entropy", "logp mismatch mean", "logp mismatch p99", "replaced experts", "lr")
 
 def _port():
     with socket.socket() as s:
@@ -72,7 +90,8 @@ def test_a_killed_job_resumes_on_a_cluster_and_survives_killed_services(data_dir
            "--max-new-tokens", "12", "--max-turns", "2", "--episode-workers", "4", "--lr", "1e-4",
            "--lr-warmup-iters", "0", "--train-iters", "6", "--save", save, "--save-interval", "2",
            "--eval-tasks", "2", "--eval-interval", "3", "--log-interval", "1", "--max-policy-lag", "3",
-           "--trainer-ranks", "2"]  # one gloo group of two trainer actors
+           "--trainer-ranks", "2", "--expert-model-parallel-size", "2",  # one gloo group of two trainer actors
+           "--synchronous-rollouts", "--rollout-batch-size", "1"]  # deterministic: see the module docstring
     # a private loopback cluster: no token authentication between its processes
     env = dict(os.environ, RAY_DEDUP_LOGS="0", PYTHONUNBUFFERED="1", RAY_AUTH_MODE="disabled")
     deadline = time.monotonic() + LIMIT_S
@@ -80,12 +99,18 @@ def test_a_killed_job_resumes_on_a_cluster_and_survives_killed_services(data_dir
         first = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                  start_new_session=True)
         try:
-            _wait_for("the step-2 checkpoint", lambda: os.path.isdir(save) and latest_iteration(save) == 2,
+            _wait_for("step 3 after the step-2 checkpoint", lambda: any(r["iteration"] >= 3 for r in _rows(save)),
                       first, deadline)
         finally:
             _killpg(first)
+    resumed_at = latest_iteration(save)
     held = decode_state(read_extra_file(save, TrainerWorker.BUFFER_FILE))
-    first_job = _rows(save)[0]["job"]
+    first_rows = _rows(save)
+    first_job = first_rows[0]["job"]
+    uninterrupted = {r["iteration"]: r for r in first_rows if r["iteration"] > resumed_at}
+    assert resumed_at == 2 and uninterrupted, f"killed after the step-{resumed_at} checkpoint: no step to compare"
+    # on-policy: nothing in flight or waiting at a checkpoint
+    assert not held["ready"] and not held["relaunch"] and held["next_group_id"] == 2 * resumed_at
 
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
     port = _port()
@@ -114,14 +139,18 @@ def test_a_killed_job_resumes_on_a_cluster_and_survives_killed_services(data_dir
         subprocess.run([ray_bin, "stop", "--force"], env=env, capture_output=True, timeout=120)
 
     rows = _rows(save)
-    kept = [r for r in rows if r["job"] == first_job and r["iteration"] <= 2]
+    kept = [r for r in rows if r["job"] == first_job and r["iteration"] <= resumed_at]
     resumed = [r for r in rows if r["job"] != first_job]
     assert [r["iteration"] for r in kept + resumed] == [1, 2, 3, 4, 5, 6]
     trained = [gid for r in kept + resumed for gid in r["trained groups"]]
-    assert len(trained) == len(set(trained)) == 12, trained  # no group lost to the kill, none trained twice
-    resumed_ids = {gid for r in resumed for gid in r["trained groups"]}
-    assert {g.group_id for g in held["ready"]} <= resumed_ids
-    assert set(held["relaunch"]) <= resumed_ids  # the groups in flight at the kill were sampled again
+    assert trained == list(range(12)), trained  # no group lost to the kill, none trained twice
+    assert all(r["staleness max"] == 0 for r in kept + resumed)  # every token sampled by the newest weights
+    for r in resumed:  # the resumed trajectory is the uninterrupted one
+        if r["iteration"] in uninterrupted:
+            want = uninterrupted[r["iteration"]]
+            assert want["grad norm"] > 0 and "logp mismatch mean" in want
+            compared = [k for k in want if k in TRAJECTORY or k.startswith(("reward ", "task "))]
+            assert {k: r[k] for k in compared} == {k: want[k] for k in compared}
     assert resumed[-1]["groups failed"] >= 1  # the killed services lost in-flight groups, which came back
     assert "eval of weights version 6" in text
     assert latest_iteration(save) == 6 and os.path.exists(os.path.join(save, "async_rl.png"))

@@ -55,6 +55,17 @@ def test_synchronous_launches_one_step_when_everything_is_drained():
     assert r.to_launch(1) == [2, 3]
 
 
+def test_synchronous_relaunches_a_failed_group_beside_its_ready_peer():
+    r = Reconciler(2, max_inflight_groups=8, max_policy_lag=0, synchronous=True)
+    assert r.to_launch(0) == [0, 1]
+    r.complete(_group(0, [0]))
+    r.failed(1)
+    assert r.to_launch(0) == [1]  # only what the step lacks; without it no step could ever start
+    assert r.to_launch(0) == []
+    r.complete(_group(1, [0]))
+    assert [g.group_id for g in r.take_batch(0)] == [0, 1]
+
+
 def test_a_checkpointed_state_owes_the_inflight_groups_and_keeps_the_ready_ones():
     r = Reconciler(2, max_inflight_groups=3, max_policy_lag=1)
     r.to_launch(0)  # 0, 1, 2

@@ -16,7 +16,7 @@ value did change, only its low mantissa bits do: the sign and exponent
 planes stay zero and compress even then. The subscriber XORs the payload into
 its copy and gets the new weights bit for bit.
 
-    publisher = WeightPublisher(dtype=torch.bfloat16)      # on the trainer (rank 0 or each rank's shard)
+    publisher = WeightPublisher(dtype=torch.bfloat16)      # on the trainer's rank 0 (the whole weights)
     update = publisher.publish(model_state, version=step)  # full the first time, a delta after
     subscriber = WeightSubscriber()                        # on each inference worker
     state = subscriber.apply(update)                       # {name: tensor}, bit-exact, for Engine.update_weights
@@ -167,15 +167,16 @@ class WeightPublisher:
 
     def copy(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`state` in host memory and the wire dtype, copied: the caller may change `state` afterwards."""
-        out = {}
-        for name, source in state.items():
-            t = source.detach().to("cpu")  # moved first, then cast on the host: the same bits on every device
-            if self.dtype is not None and t.is_floating_point():
-                t = t.to(self.dtype)
-            if t.data_ptr() == source.data_ptr():  # neither moved nor cast: still the caller's memory
-                t = t.clone()
-            out[name] = t.contiguous()
-        return out
+        return {name: self.copy_tensor(source) for name, source in state.items()}
+
+    def copy_tensor(self, source: torch.Tensor) -> torch.Tensor:
+        """One tensor as `copy` copies it: on the host, in the wire dtype, not sharing `source`'s memory."""
+        t = source.detach().to("cpu")  # moved first, then cast on the host: the same bits on every device
+        if self.dtype is not None and t.is_floating_point():
+            t = t.to(self.dtype)
+        if t.data_ptr() == source.data_ptr():  # neither moved nor cast: still the caller's memory
+            t = t.clone()
+        return t.contiguous()
 
     def publish(self, state: Mapping[str, torch.Tensor], version: int, *, full: bool = False) -> WeightUpdate:
         """The update from the last upload to `state` (full the first time, when asked, or when the
@@ -251,9 +252,13 @@ class BackgroundPublisher:
 
     def submit(self, state: Mapping[str, torch.Tensor], version: int, *, full: bool = False) -> None:
         """Copy `state` and queue it for encoding as `version`; waits while an earlier copy is queued."""
+        self.enqueue(self.publisher.copy(state), version, full=full)
+
+    def enqueue(self, current: dict[str, torch.Tensor], version: int, *, full: bool = False) -> None:
+        """`submit` of weights already copied (`WeightPublisher.copy`, or its `copy_tensor` per tensor, as
+        the async trainer's gather does); this publisher owns them from here on."""
         if not self._thread.is_alive():
             raise RuntimeError("this publisher is closed; make a new BackgroundPublisher")
-        current = self.publisher.copy(state)
         self._queue.put((current, int(version), full))
         self._submitted = int(version)
 

@@ -18,7 +18,8 @@ ready buffer and the ids to relaunch are the reconciler's `state_dict`, which
 goes into the trainer's checkpoint, so a whole-job restart neither loses a
 completed group nor trains one twice (groups in flight at the kill are
 launched again). `synchronous=True` is the baseline: one step's groups are
-launched only when nothing is in flight or waiting and the trainer is idle.
+launched only when nothing is in flight and the trainer is idle (as many as
+the ready buffer lacks for a step: all of them, unless a group failed).
 
 Pure bookkeeping without Ray: `runner.py` drives it.
 """
@@ -75,9 +76,10 @@ class Reconciler:
     def to_launch(self, version: int, *, trainer_busy: bool = False) -> list[int]:
         """Group ids to launch now (filling the free slots); they are in flight from here on."""
         if self.synchronous:
-            if self.inflight or self.ready or trainer_busy:
+            if self.inflight or trainer_busy:
                 return []
-            room = self.groups_per_step
+            # what the next step lacks: ready groups stay (a failed group's peers, a resumed buffer)
+            room = self.groups_per_step - len(self.ready)
         else:
             room = self.max_inflight_groups - len(self.inflight) - len(self.ready)
         ids = []

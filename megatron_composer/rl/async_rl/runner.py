@@ -20,11 +20,16 @@ The driver's loop (`AsyncRLRunner.run`):
    ready (those past `--max-policy-lag` are dropped and resampled), every
    trainer rank takes the batch from the object store and steps; rollouts go
    on meanwhile;
-4. sync: rank 0 copies the new weights and encodes them as a delta
-   (`weight_sync.BackgroundPublisher`) on a thread while its next step runs;
-   each inference worker and the evaluator swap them in between decode steps, so
-   sequences in flight continue and later tokens carry the new version; a
-   subscriber that cannot apply a delta (it restarted) gets a full snapshot;
+4. sync: every trainer rank joins the gather of the new weights onto rank 0
+   (`gather.gather_policy`: the experts of every EP rank, the whole tensors of
+   HSDP shards), which encodes them as a delta (`weight_sync.BackgroundPublisher`)
+   on a thread while its next step runs; each inference worker and the
+   evaluator swap them in between decode steps, so sequences in flight
+   continue and later tokens carry the new version; a subscriber that cannot
+   apply a delta (it restarted) gets a full snapshot. With
+   `--synchronous-rollouts` the driver waits until every inference worker has
+   the new weights before it launches the next step's groups, so every token
+   is sampled by the newest policy;
 5. checkpoint every `--save-interval` steps with the reconciler's state inside
    (ready groups with their versions, ids owed), so a kill -9 of the whole job
    and a restart with `--load` loses or repeats no group; evaluate every
@@ -45,6 +50,7 @@ from ...planner.inference import check_local_inference_worker
 from ..environments import environment_class
 from ..report import StepReport
 from ..rollout import due
+from .gather import check_publishable
 from .placement import ServiceLayout, actor_options, plan_placement, release, reserve
 from .reconciler import Reconciler, decode_state, encode_state, token_lags
 from .services import EnvWorker, Evaluator, InferenceWorker, RayBackend, RolloutSpec, ServerSync, TrainerWorker
@@ -72,6 +78,9 @@ class AsyncRLRunner:
             from ..arguments import parse_rl_args
 
             run = parse_rl_args(list(run))
+        # before Ray starts: the inference workers need whole weights, which the trainer ranks gather
+        check_publishable(run.parallel.tensor_model_parallel_size, run.parallel.pipeline_model_parallel_size,
+                          run.parallel.expert_tensor_parallel_size)
         self.run_config, self.cfg, self.rl = run, run.training, run.rl
         args, rl = run.async_rl, self.rl  # args: the asynchronous services section
         self.on_step = on_step
@@ -263,6 +272,8 @@ class AsyncRLRunner:
         # encoded on the trainer while its next step runs; each subscriber takes it when it is ready
         update_ref = self.trainers[0].published.options(concurrency_group=PUBLISH).remote(version)
         pushes = [(w, w.update_weights.remote(update_ref)) for w in self.subscribers()]
+        if self.run_config.async_rl.synchronous_rollouts:  # on-policy: the next groups sample these weights
+            pushes = self._await_inference(pushes)
         wall = time.perf_counter() - started
         stats = []
         for w in [] if self.run_config.async_rl.rollout_server else self.inference:
@@ -325,6 +336,17 @@ class AsyncRLRunner:
             snap = self._snapshot()
             left += [(w, w.update_weights.remote(snap)) for w in behind]
         return left
+
+    def _await_inference(self, pushes: list) -> list:
+        """Wait until every inference worker has applied its push (one that refuses gets a snapshot and is
+        waited for too); the evaluator's push stays pending."""
+        ray = self.ray
+        while True:
+            inference = [r for w, r in pushes if any(w is i for i in self.inference)]
+            if not inference:
+                return pushes
+            ray.wait(inference, num_returns=len(inference))
+            pushes = self._check_pushes(pushes)
 
     def _collect_evals(self, evals: list, *, wait: bool) -> list:
         ray = self.ray

@@ -2,9 +2,11 @@
 
     TrainerWorker     one per rank: builds `RLTrainer` from train_rl.py's flags inside its own
                       torch.distributed group (gloo on CPU, NCCL on GPU, on the GPU Ray assigned it),
-                      takes one policy update per batch of groups, publishes the new weights (rank 0,
-                      `weight_sync`, encoded on a thread while the next step runs), saves
-                      policy-aware checkpoints (the reconciler's buffer rides in the checkpoint).
+                      takes one policy update per batch of groups, publishes the new weights (every
+                      rank joins `gather.gather_policy`, which joins the expert-parallel and HSDP
+                      shards on rank 0; rank 0 encodes them with `weight_sync` on a thread while the
+                      next step runs), saves policy-aware checkpoints (the reconciler's buffer rides
+                      in the checkpoint).
     InferenceWorker   our engine in a background loop; generates for the environment workers; swaps
                       in published weights between two decode steps while sequences run on.
     EnvWorker         runs one group's rollouts: agent episodes in sandboxes (agentic-coding) or one
@@ -28,6 +30,7 @@ from ..rollout import renumber
 from .reconciler import Group
 from ...inference.weight_sync import (BackgroundPublisher, StaleBaseError, WeightPublisher, WeightSubscriber,
                                       WeightUpdate)
+from .gather import check_publishable, gather_policy
 from .placement import local_gpu_index
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -61,6 +64,9 @@ class TrainerWorker:
 
             run = parse_rl_args(list(run))
         self.run = dataclasses.replace(run, logging=LoggingConfig())
+        p = run.parallel
+        check_publishable(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                          p.expert_tensor_parallel_size)
         self.rank, self.world_size, self.threads = rank, world_size, threads
         self.publisher = BackgroundPublisher(WeightPublisher(_DTYPES[weight_dtype])) if rank == 0 else None
 
@@ -79,7 +85,8 @@ class TrainerWorker:
             return host, s.getsockname()[1]
 
     def setup(self, master_addr: str, master_port: int) -> None:
-        """Join the trainer's process group (every rank at once) and build and resume the trainer.
+        """Join the trainer's process group (every rank at once), build and resume the trainer, and publish
+        the resumed weights (the version `snapshot` serves until the first step).
 
         The global rank is this worker's rank; the local device is the GPU Ray assigned this actor
         (`placement.local_gpu_index`: cuda:0 of the one device Ray leaves visible), not the rank.
@@ -93,6 +100,7 @@ class TrainerWorker:
         self.trainer = build_rl_trainer(self.run)
         self.rl, self.log = self.trainer.rl, self.trainer.log
         self.trainer.resume()
+        self.publish(full=True)
         self.idle_since = time.perf_counter()
 
     def pid(self) -> int:
@@ -121,14 +129,15 @@ class TrainerWorker:
         return read_extra_file(load, self.BUFFER_FILE)
 
     def publish(self, *, full: bool = False) -> Optional[int]:
-        """Copy this iteration's weights and queue them for encoding (rank 0): their version, whose
-        update `published` returns once encoded; None on the other ranks."""
+        """Gather this iteration's whole weights onto rank 0 in the wire dtype and queue them for encoding:
+        their version on rank 0 (`published` returns its update once encoded), None on the other ranks.
+        A collective: every rank calls it (`train_step` and `setup` do)."""
+        to_host = self.publisher.publisher.copy_tensor if self.publisher is not None else None
+        state = gather_policy(self.trainer.model, to_host)
         if self.publisher is None:
             return None
-        from ...checkpoint import model_state_dict
-
         version = self.trainer.state.iteration
-        self.publisher.submit(model_state_dict(self.trainer.model), version, full=full)
+        self.publisher.enqueue(state, version, full=full)
         return version
 
     def published(self, version: int) -> Optional[WeightUpdate]:
@@ -137,18 +146,14 @@ class TrainerWorker:
         return None if self.publisher is None else self.publisher.result(version)
 
     def snapshot(self) -> Optional[WeightUpdate]:
-        """A full update of the last published weights (for a worker that starts or restarted); before the
-        first publication, of the weights now."""
-        if self.publisher is None:
-            return None
-        if self.publisher.version is None:
-            return self.published(self.publish(full=True))
-        return self.publisher.snapshot()
+        """A full update of the last published weights (for a worker that starts or restarted; `setup`
+        published the resumed ones). Rank 0 alone: no collective, so it runs beside a `train_step`."""
+        return None if self.publisher is None else self.publisher.snapshot()
 
     def train_step(self, groups: list[Group]) -> tuple[dict, Optional[int]]:
         """One policy update on one step's groups: (metrics, the version `published` returns on rank 0,
-        else None). The step waits for the copy of the weights, not for their encoding; the metrics carry
-        the sizes and time of the newest update encoded by then ("sync version")."""
+        else None). The step waits for the gather and copy of the weights, not for their encoding; the
+        metrics carry the sizes and time of the newest update encoded by then ("sync version")."""
         waited = time.perf_counter() - self.idle_since
         samples = renumber(groups, self.rl.rollout.group_size)  # the step's groups 0 .. prompts_per_step - 1
         metrics = self.trainer.train_on(samples)
