@@ -1,5 +1,8 @@
 """What the Trainer saves and restores, on top of the `checkpoint` package.
 
+* before any work (`check_paths`, every entry point): a `--save` holding
+  another run's checkpoint is refused unless it is `--load` (resume) or
+  `--overwrite-save` moves that run aside (`checkpoint.guard`);
 * start-up (`prepare_save_dir`): stale `iter_*.tmp` debris of killed saves is
   removed (and logged); `--save` is checked for writability and free space
   against the expected checkpoint size, before any work is done;
