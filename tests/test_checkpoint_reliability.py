@@ -413,6 +413,110 @@ def test_non_finite_weights_are_not_saved(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["iter_0000001", ck.TRACKER]
 
 
+# ---------------------------------------------------------------- G: a --save that holds another run
+def _tree(root) -> dict:
+    """relative path -> bytes of every file under `root`."""
+    root = Path(root)
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_a_save_holding_a_run_is_refused_unless_it_is_loaded(tmp_path):
+    """The rerun without --load (issue: it replaced iter_2 and iter_4 silently) and --load of another
+    checkpoint are refused, naming both fixes; nothing in --save changes. --load D itself resumes."""
+    d, other = tmp_path / "D", tmp_path / "other"
+    for it in (2, 4):
+        _save(d, it, _model(it))
+    _save(other, 1, _model(9))
+    before = _tree(d)
+    for load in (None, str(other)):
+        with pytest.raises(CheckpointError) as err:
+            ck.guard_save_dir(str(d), load)
+        text = str(err.value)
+        assert f"--save {d} already holds a checkpoint (iterations 2, 4)" in text
+        assert f"--load {d} to resume" in text and "--overwrite-save to start over" in text
+        assert ("names another checkpoint" if load else "would start at iteration 0") in text
+    assert _tree(d) == before
+    assert ck.guard_save_dir(str(d), str(d)) is None
+    assert ck.guard_save_dir(str(d) + "/", str(d)) is None  # the same directory spelled differently
+    assert _tree(d) == before
+
+
+def test_a_save_without_a_checkpoint_is_taken(tmp_path):
+    """A missing or empty D, D with only a tokenizer and logs, or the debris of a killed first save:
+    no checkpoint to lose, so any --load (or none) goes ahead, with or without --overwrite-save."""
+    empty, logs, debris = tmp_path / "empty", tmp_path / "logs", tmp_path / "debris"
+    empty.mkdir()
+    logs.mkdir()
+    (logs / ck.TOKENIZER_MODEL).write_bytes(b"tok")
+    (logs / "rl_steps.jsonl").write_text("{}\n")
+    debris.mkdir()
+    (debris / "iter_0000002.tmp").mkdir()
+    for d in (tmp_path / "missing", empty, logs, debris):
+        before = _tree(d) if d.exists() else None
+        for load in (None, str(d)):
+            assert ck.guard_save_dir(str(d), load) is None
+        assert ck.guard_save_dir(str(d), None, overwrite_save=True) is None
+        assert (_tree(d) if d.exists() else None) == before
+
+
+def test_overwrite_save_moves_the_earlier_run_aside(tmp_path):
+    """--overwrite-save moves everything in D (checkpoint, tokenizer, logs) into D/overwritten-<time>/
+    byte for byte; D is then a fresh, loadable-as-empty directory, and a second move nests nothing."""
+    d = tmp_path / "D"
+    for it in (2, 4):
+        _save(d, it, _model(it))
+    (d / "rl_steps.jsonl").write_text('{"iteration": 1}\n')
+    before = _tree(d)
+    moved = ck.guard_save_dir(str(d), None, overwrite_save=True)
+    assert os.path.dirname(moved) == str(d) and os.path.basename(moved).startswith(ck.OVERWRITTEN_PREFIX)
+    assert os.listdir(d) == [os.path.basename(moved)]
+    assert _tree(moved) == before
+    assert ck.load_target_kind(str(d)) == "empty" and ck.held_iterations(str(d)) is None
+    _save(d, 2, _model(7))
+    again = ck.guard_save_dir(str(d), str(tmp_path / "elsewhere"), overwrite_save=True)
+    assert sorted(os.listdir(d)) == sorted([os.path.basename(moved), os.path.basename(again)])
+    assert _tree(moved) == before and ck.latest_iteration(again) == 2
+
+
+def test_overwrite_save_is_refused_where_it_would_move_what_it_loads(tmp_path):
+    d = tmp_path / "D"
+    _save(d, 2, _model(2))
+    _save(d / "inner", 1, _model(1))
+    before = _tree(d)
+    with pytest.raises(CheckpointError, match="would move aside the checkpoint it loads"):
+        ck.guard_save_dir(str(d), str(d), overwrite_save=True)
+    with pytest.raises(CheckpointError, match=f"--load {d / 'inner'} is inside --save {d}"):
+        ck.guard_save_dir(str(d), str(d / "inner"), overwrite_save=True)
+    assert _tree(d) == before
+
+
+def test_a_move_cut_short_leaves_no_tracker_naming_a_moved_iteration(tmp_path, monkeypatch):
+    """The tracker moves first: a move that stops after it leaves iterations without a tracker, which
+    the next launch still refuses (and --overwrite-save then moves too); nothing is lost."""
+    d = tmp_path / "D"
+    for it in (2, 4):
+        _save(d, it, _model(it))
+    before = _tree(d)
+    real, calls = os.rename, []
+
+    def rename(src, dst):
+        calls.append(os.path.basename(src))
+        if len(calls) == 2:
+            raise OSError("killed")
+        real(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(CheckpointError, match="killed"):
+        ck.guard_save_dir(str(d), None, overwrite_save=True)
+    monkeypatch.setattr(os, "rename", real)
+    assert calls[0] == ck.TRACKER and not (d / ck.TRACKER).exists()
+    with pytest.raises(CheckpointError, match=r"already holds a checkpoint \(iterations 2, 4\)"):
+        ck.guard_save_dir(str(d), None)
+    ck.guard_save_dir(str(d), None, overwrite_save=True)
+    moved = {k.split("/", 1)[1]: v for k, v in _tree(d).items()}
+    assert moved == before
+
+
 # ---------------------------------------------------------------- several ranks
 def _two_ranks(rank, world, root):
     model = _model(0, width=64)
@@ -482,3 +586,24 @@ def test_expected_bytes_match_the_files_under_expert_parallelism(tmp_path, shard
     (expected, n), _ = run_distributed(_sized_gpt, 2, str(tmp_path), sharding)
     on_disk = sum(f.stat().st_size for f in (tmp_path / "iter_0000001").glob("*.distcp"))
     assert expected <= on_disk <= expected + 2048 * 2 * n, (expected, on_disk)
+
+
+def _guard_two_ranks(rank, world, root):
+    refused = None
+    try:
+        ck.guard_save_dir(root, None)
+    except CheckpointError as exc:
+        refused = str(exc)
+    moved = ck.guard_save_dir(root, None, overwrite_save=True)
+    return refused, moved, sorted(os.listdir(root))
+
+
+def test_the_save_guard_agrees_on_every_rank(tmp_path):
+    """world 2: both ranks refuse with the same message; with --overwrite-save rank 0 alone moves the run
+    and every rank returns where it went, after the move (the gather is the barrier)."""
+    _save(tmp_path, 3, _model(3))
+    outs = run_distributed(_guard_two_ranks, 2, str(tmp_path))
+    assert outs[0] == outs[1]
+    refused, moved, listing = outs[0]
+    assert "already holds a checkpoint (iterations 3)" in refused
+    assert listing == [os.path.basename(moved)] and ck.latest_iteration(moved) == 3

@@ -304,7 +304,7 @@ def test_hints_land_on_the_segment_of_their_message_after_a_summary(tmp_path):
                          summary_max_tokens=32, max_observation_tokens=1000)
     traj = Agent(ScriptedClient(TOK, script), TOK, config).run(ToolSet(tmp_path, max_output_chars=300), "Read it.")
     assert len(traj.segments) == 2 and [t.kind for t in traj.turns] == ["action", "summary", "action", "action"]
-    result = types.SimpleNamespace(trajectory=traj, verdict={"correctness": 0.0})
+    result = types.SimpleNamespace(trajectory=traj, verdict={"correctness": 0.0}, lost=0)
     samples = episode_samples([result], [0], 1, TOK, resolve_rules("unknown_tool"))
     assert [len(s.hints) for s in samples] == [0, 1]
     hint = samples[1].hints[0]

@@ -6,11 +6,14 @@
     rng.py        the random state of each rank (CPU, CUDA, megatron's RNG tracker)
     state.py      model / optimizer state under layout-independent names
     io.py         save_checkpoint, load_checkpoint, reading chosen tensors, start-up checks
+    guard.py      a --save holding another run: refused, or moved aside (--overwrite-save)
 
 Sits below `training/` and `convert/`; imports only `parallel/` of ours.
 """
+from .guard import OVERWRITTEN_PREFIX, held_iterations
 from .io import (
     check_save_dir,
+    guard_save_dir,
     load_checkpoint,
     load_tensors,
     read_extra_file,
@@ -47,10 +50,13 @@ __all__ = [
     "CheckpointError",
     "CheckpointLocation",
     "CheckpointSaveError",
+    "OVERWRITTEN_PREFIX",
     "check_save_dir",
     "checkpoint_tokenizer",
     "expected_checkpoint_bytes",
     "global_param_names",
+    "guard_save_dir",
+    "held_iterations",
     "is_checkpoint_dir",
     "iteration_dir",
     "latest_iteration",

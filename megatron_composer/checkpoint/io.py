@@ -25,8 +25,9 @@ own CheckpointException is a BaseException, so it is caught by name.
 `tensor_specs` / `load_tensors` read chosen model tensors of one iteration
 dir without building a model (conversion, in-flight weight updates).
 
-Start-up helpers for the trainer: `check_save_dir` (writable, enough free
-space), `remove_stale_tmp` (debris of killed saves).
+Start-up helpers for the trainer: `guard_save_dir` (no other run's checkpoint
+in --save, `guard.py`), `check_save_dir` (writable, enough free space),
+`remove_stale_tmp` (debris of killed saves).
 """
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from .guard import check_save_target
 from .integrity import (
     MANIFEST,
     checksum_files,
@@ -396,6 +398,13 @@ def remove_stale_tmp(root: str) -> list[str]:
     Returns the removed paths on every rank (`tracker.remove_stale_local`).
     """
     return _agreed(lambda: remove_stale_local(root), rank0_only=True)[0]
+
+
+def guard_save_dir(save: Optional[str], load: Optional[str], overwrite_save: bool = False) -> Optional[str]:
+    """Refuse a `--save` that holds another run's checkpoint, or move it aside with `overwrite_save`
+    (`guard.check_save_target`; collective: rank 0 decides and moves, every rank raises the same error
+    and returns where the old run went, None when nothing moved)."""
+    return _agreed(lambda: check_save_target(save, load, overwrite_save), rank0_only=True)[0]
 
 
 def check_save_dir(root: str, expected_bytes: int) -> None:

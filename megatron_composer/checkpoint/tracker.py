@@ -40,6 +40,7 @@ HF_ASSETS = "hf_assets"  # a converted HF checkpoint's non-weight files (its tok
 TMP_SUFFIX = ".tmp"
 OLD_SUFFIX = ".old"
 _ITER_DIR = re.compile(r"^iter_(\d+)$")
+OVERWRITTEN_PREFIX = "overwritten-"  # earlier runs moved aside by --overwrite-save (`guard.py`)
 _STALE = re.compile(r"^iter_(\d+)\.(tmp|old)$")
 # what a killed first save may leave in ROOT besides iter_N.tmp
 _FIRST_SAVE_DEBRIS = (TRACKER + TMP_SUFFIX, TOKENIZER_MODEL, TOKENIZER_MODEL + TMP_SUFFIX)
@@ -196,7 +197,8 @@ def load_target_kind(path: str) -> str:
 
     "empty": an existing directory with nothing but the debris of an
     interrupted first save (`iter_*.tmp`, a tracker temp file, the tokenizer
-    it copied first). Anything else that is not a complete tracked checkpoint
+    it copied first) and earlier runs moved aside by `--overwrite-save`
+    (`overwritten-*`, `guard.py`). Anything else that is not a complete tracked checkpoint
     raises CheckpointError: a file, a directory of other files, an iteration
     dir given instead of its root, a tracker naming a missing or incomplete
     iteration.
@@ -210,7 +212,7 @@ def load_target_kind(path: str) -> str:
         tracked_iteration_dir(path)
         return "checkpoint"
     names = [n for n in os.listdir(path) if not (_STALE.match(n) and n.endswith(TMP_SUFFIX))
-             and n not in _FIRST_SAVE_DEBRIS]
+             and n not in _FIRST_SAVE_DEBRIS and not n.startswith(OVERWRITTEN_PREFIX)]
     if not names:
         return "empty"
     if is_complete(path):

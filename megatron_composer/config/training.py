@@ -75,6 +75,7 @@ class CheckpointConfig:
     finetune: bool = False
     verify_checkpoint: bool = True  # --no-verify-checkpoint skips the checksums
     exit_on_save_failure: bool = True  # --continue-on-save-failure keeps training
+    overwrite_save: bool = False  # move an earlier run in --save aside (`checkpoint.guard`) instead of refusing
     # the tokenizer's model file, copied into --save so that a checkpoint carries its tokenizer
     # (`checkpoint.checkpoint_tokenizer`); --tokenizer-model, or what the entry point resolved
     tokenizer_model: Optional[str] = None

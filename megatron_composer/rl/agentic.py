@@ -21,14 +21,21 @@ The verdict holds one value per reward term (`rewards.REWARD_TERMS`):
                     for a dedicated tool, open to-do items at finish, no call at all)
 
 `episodes` runs many in threads: the model's turns from all of them meet in
-the engine's batch, and their sandboxes run side by side.
+the engine's batch, and their sandboxes run side by side. An episode that
+raises (its generation or its scoring) is lost alone: the others run on, the
+loss is logged with the task, seed and error and counted (`lost_episodes`,
+and `EpisodeResult.lost` for the failed attempts before a result), and it is
+tried again up to `attempts` times. Every parse of scored code holds one
+lock (`tasks.python_ast`): CPython 3.11's parser is not safe from threads.
 """
 from __future__ import annotations
 
 import collections
 import concurrent.futures
 import dataclasses
+import logging
 import tempfile
+import threading
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -39,6 +46,7 @@ from .tasks.coding import CodingTask, TestVerdict, load_tasks, prepare_workspace
 from .tools import TOOLS, ToolSet
 
 ENV_NAME = "agentic-coding"
+log = logging.getLogger(__name__)
 
 
 def test_report(verdict: TestVerdict) -> str:
@@ -55,6 +63,7 @@ class EpisodeResult:
     trajectory: Trajectory
     verdict: dict  # reward term -> value (module docstring)
     tests: TestVerdict
+    lost: int = 0  # failed attempts of this (task, seed) before this one (`AgenticCodingEnv.episodes`)
 
 
 class AgenticCodingEnv:
@@ -77,6 +86,8 @@ class AgenticCodingEnv:
         self.sandbox_kwargs = dict(sandbox_kwargs or {})
         self.workdir = workdir
         self._tasks: Optional[list[CodingTask]] = None
+        self.lost_episodes = 0  # episodes that raised, over this object's life (`episodes`)
+        self._lost_lock = threading.Lock()
 
     def tasks(self) -> list[CodingTask]:
         if self._tasks is None:
@@ -105,14 +116,33 @@ class AgenticCodingEnv:
                    "tool_misuse": tool_misuse_score(trajectory.events, tools.open_todo_items())}
         return EpisodeResult(task, seed, trajectory, verdict, tests)
 
-    def episodes(self, agent: Agent, jobs: Sequence[tuple[CodingTask, int]], *,
-                 max_workers: int = 16) -> list[EpisodeResult]:
-        """`episode(agent, task, seed)` for every (task, seed), run in threads; results in order."""
+    def episodes(self, agent: Agent, jobs: Sequence[tuple[CodingTask, int]], *, max_workers: int = 16,
+                 attempts: int = 1) -> list[Optional[EpisodeResult]]:
+        """`episode(agent, task, seed)` for every (task, seed), run in threads; results in order.
+
+        An episode that raises is lost alone (module docstring) and run again, up to `attempts` runs in
+        all; its slot is None when every run raised."""
         if not jobs:
             return []
+
+        def run(job: tuple[CodingTask, int]) -> Optional[EpisodeResult]:
+            for attempt in range(attempts):
+                try:
+                    return dataclasses.replace(self.episode(agent, *job), lost=attempt)
+                except Exception as exc:  # noqa: BLE001 - one episode's failure is not the others'
+                    self._lose(job, attempt, attempts, exc)
+            return None
+
         with concurrent.futures.ThreadPoolExecutor(min(max_workers, len(jobs)),
                                                    thread_name_prefix="episode") as pool:
-            return list(pool.map(lambda job: self.episode(agent, *job), jobs))
+            return list(pool.map(run, jobs))
+
+    def _lose(self, job: tuple[CodingTask, int], attempt: int, attempts: int, exc: Exception) -> None:
+        with self._lost_lock:
+            self.lost_episodes += 1
+        task, seed = job
+        log.warning("episode of task %s (seed %d) lost, run %d of %d: %s: %s", task.key, seed, attempt + 1,
+                    attempts, type(exc).__name__, exc, exc_info=True)
 
 
 def summarize(results, tokenizer) -> dict:

@@ -18,20 +18,19 @@ the model wrote that workspace.
 """
 from __future__ import annotations
 
-import ast
 import difflib
 import io
 import os
 import re
 import stat
 import tokenize
-import warnings
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
 from pyflakes import checker as pyflakes_checker
 
 from .tasks.coding.task import CACHE_DIRS, CACHE_SUFFIXES
+from .tasks.python_ast import PARSE_LOCK, parse_python
 from .tools import ToolEvent, misuse_counts
 
 MAX_TEXT_BYTES = 1 << 20  # larger files are not read (nor scored)
@@ -130,10 +129,10 @@ def _pyflakes_issues(path: str, text: str, lines: set[int]) -> list[tuple[int, s
     """(line, warning) for pyflakes' warnings of `text` on `lines`; a file that does not parse
     is one issue."""
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # SyntaxWarnings (invalid escapes) are not ours to print
-            tree = ast.parse(text, filename=path)
-        messages = pyflakes_checker.Checker(tree, filename=path).messages
+        with PARSE_LOCK:  # pyflakes parses string annotations with ast.parse (`python_ast`)
+            # SyntaxWarnings (invalid escapes) are not ours to print
+            tree = parse_python(text, path, quiet=True)
+            messages = pyflakes_checker.Checker(tree, filename=path).messages
     except SyntaxError as exc:
         return [(exc.lineno or 1, f"syntax error: {exc.msg}")]
     except (ValueError, RecursionError) as exc:  # NUL in the source, nesting too deep for the parser

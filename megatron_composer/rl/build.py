@@ -13,7 +13,7 @@ from ..data.tokenizer import Tokenizer
 from ..parallel import ParallelLayout
 from ..platform import init_distributed
 from ..training.arguments import resolve_model_config
-from ..training.checkpointer import check_paths
+from ..training.checkpointer import check_paths, moved_message
 from .arguments import RLRunConfig
 from .trainer import RLTrainer
 
@@ -22,11 +22,13 @@ def build_rl_trainer(run: RLRunConfig, *, log=None) -> RLTrainer:
     """The `RLTrainer` of `run` on this rank's process group (logging to `run.logging` unless `log`)."""
     env = init_distributed(timeout_minutes=run.distributed_timeout_minutes)
     ckpt = run.training.checkpoint
-    check_paths(ckpt.load, ckpt.save)
+    moved = check_paths(ckpt.load, ckpt.save, ckpt.overwrite_save)
     tokenizer = Tokenizer(tokenizer_model(run))
     model_cfg = resolve_model_config(run.model, tokenizer.vocab_size)
     layout = ParallelLayout.from_sizes(env.world_size, run.parallel, model_cfg.num_experts or None)
     log = log or run.logging.logger(env.rank)
+    if moved:
+        log.print(moved_message(ckpt.save, moved))
     trainer = RLTrainer(model_cfg, layout, run.training, run.rl, tokenizer, log=log)
     rl, counts = run.rl, count_parameters(model_cfg)
     log.print(f"> {trainer.env.describe()}, {rl.rollout.prompts_per_step} x {rl.rollout.group_size} samples per step, "

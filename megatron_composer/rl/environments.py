@@ -12,6 +12,12 @@ textual-feedback hints attached). Both drivers, the synchronous loop and the
 asynchronous environment workers, only call this interface; nothing outside
 this module branches on which environment runs. A new environment is one
 more `@register_environment` class.
+
+An agentic episode that raises (scoring or generation) loses that episode
+only: it is logged, run again once, and its failed runs are the step's
+`lost episodes` metric (per trajectory); a group whose episode raises twice
+fails whole (the asynchronous driver launches it again, counted in `groups
+failed`). A held-out evaluation scores the episodes that completed.
 """
 from __future__ import annotations
 
@@ -135,6 +141,8 @@ class AgenticEnvironment(Environment):
 
     held_out = True
     feedback = True
+    # runs of one (task, seed) in a training group before the group is lost (`agentic.AgenticCodingEnv.episodes`)
+    EPISODE_ATTEMPTS = 2
 
     @classmethod
     def check(cls, rl) -> None:
@@ -185,7 +193,12 @@ class AgenticEnvironment(Environment):
         rl = self.rl
         agent = Agent(backend, self.tokenizer, self.agent_config(routed_experts=rl.algorithm.router_replay))
         task = self.task_of(group_id)
-        results = self.episodes.episodes(agent, [(task, s) for s in seeds], max_workers=rl.environment.episode_workers)
+        results = self.episodes.episodes(agent, [(task, s) for s in seeds], max_workers=rl.environment.episode_workers,
+                                         attempts=self.EPISODE_ATTEMPTS)
+        failed = [s for s, r in zip(seeds, results) if r is None]
+        if failed:  # a group trains whole (its advantages compare all its trajectories)
+            raise RuntimeError(f"group {group_id} (task {task.key}): the episodes of seeds {failed} raised "
+                               f"{self.EPISODE_ATTEMPTS} times each (logged above); the group is lost")
         return episode_samples(results, [group_id] * len(seeds), rl.rollout.group_size, self.tokenizer, self.rules,
                                rl.feedback.hint_role)
 
@@ -199,7 +212,7 @@ class AgenticEnvironment(Environment):
         tasks = self.episodes.tasks()
         mine = list(range(shard[0], len(tasks), shard[1]))
         results = self.episodes.episodes(agent, [(tasks[i], i) for i in mine], max_workers=workers)
-        row = summarize(results, self.tokenizer)
+        row = summarize([r for r in results if r is not None], self.tokenizer)  # "tasks": those scored
         return {f"eval {k}": float(v) if isinstance(v, (int, float)) else v for k, v in row.items()}
 
     def describe(self):

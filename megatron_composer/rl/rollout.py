@@ -53,7 +53,7 @@ def episode_samples(results, groups: list[int], group_size: int, tokenizer, rule
         info = {"turns": traj.counts.turns, "summaries": len(traj.summaries),
                 "summary tokens": sum(len(tokenizer.encode(x)) for x in traj.summaries),
                 "finished": float(traj.finished), "generated tokens": traj.generated_tokens,
-                "tool calls": traj.counts.tool_calls}
+                "tool calls": traj.counts.tool_calls, "lost episodes": float(result.lost)}
         for seg in traj.segments:
             samples.append(RolloutSample(
                 g, seg.prompt_ids, seg.completion_ids, seg.logprobs, seg.padded_routes(), seg.policy_versions,

@@ -34,7 +34,13 @@ def train_rl(argv: Optional[list[str]] = None):
     """Synchronous RL in this process (torchrun for more ranks), or with --async-rl the Ray services."""
     run = parse_rl_args(argv)
     if run.async_rl.enabled:
+        from ..training.checkpointer import check_paths, moved_message
         from .async_rl.runner import run_async_rl
+
+        ckpt = run.training.checkpoint
+        moved = check_paths(ckpt.load, ckpt.save, ckpt.overwrite_save)  # before Ray starts
+        if moved:
+            print(moved_message(ckpt.save, moved), flush=True)
 
         return run_async_rl(run)
     refusal = colocated_engine_refusal(run.parallel.tensor_model_parallel_size,

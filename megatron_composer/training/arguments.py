@@ -182,7 +182,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "this long instead of hanging")
 
     g = p.add_argument_group("checkpointing")
-    g.add_argument("--save", default=None, help="checkpoint directory to write")
+    g.add_argument("--save", default=None, help="checkpoint directory to write; one that holds a checkpoint "
+                   "is refused unless it is also --load (resume) or --overwrite-save is given")
+    g.add_argument("--overwrite-save", action="store_true",
+                   help="start over in a --save that holds an earlier run: move its contents to "
+                        "SAVE/overwritten-<time>/ first (nothing is deleted)")
     g.add_argument("--load", default=None, help="checkpoint directory to resume from")
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--no-load-optim", action="store_true")

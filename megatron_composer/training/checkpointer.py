@@ -1,5 +1,8 @@
 """What the Trainer saves and restores, on top of the `checkpoint` package.
 
+* before any work (`check_paths`, every entry point): a `--save` holding
+  another run's checkpoint is refused unless it is `--load` (resume) or
+  `--overwrite-save` moves that run aside (`checkpoint.guard`);
 * start-up (`prepare_save_dir`): stale `iter_*.tmp` debris of killed saves is
   removed (and logged); `--save` is checked for writability and free space
   against the expected checkpoint size, before any work is done;
@@ -21,21 +24,32 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict
+from typing import Optional
 
 from .. import checkpoint as ckpt
 
 
-def check_paths(load, save) -> None:
-    """The checks that need no model, run before any data or model is built:
-    `--save` is a writable directory, `--load` names a checkpoint (or is the
-    first launch of the resume idiom `--save D --load D`). The free-space check
-    against the checkpoint size comes later (`Checkpointer.prepare_save_dir`)."""
+def check_paths(load, save, overwrite_save: bool = False) -> Optional[str]:
+    """The checks that need no model, run before any data or model is built
+    (collective under torch.distributed): `--save` holds no other run's
+    checkpoint (or, with `--overwrite-save`, that run is moved aside:
+    `checkpoint.guard`; returns where it went), `--save` is a writable
+    directory, `--load` names a checkpoint (or is the first launch of the
+    resume idiom `--save D --load D`). The free-space check against the
+    checkpoint size comes later (`Checkpointer.prepare_save_dir`)."""
+    moved = ckpt.guard_save_dir(save, load, overwrite_save)
     if save:
         ckpt.check_save_dir(save, 0)
     if load:
         kind = ckpt.load_target_kind(load)
         if kind != "checkpoint":
             _nothing_to_load(load, save, kind)
+    return moved
+
+
+def moved_message(save: str, moved: str) -> str:
+    """The start-up line of a run that moved an earlier one aside (`check_paths`)."""
+    return f" --overwrite-save: moved the earlier run in {save} to {moved}; training from scratch"
 
 
 def _nothing_to_load(load, save, kind: str) -> bool:

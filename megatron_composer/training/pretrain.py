@@ -8,7 +8,7 @@ import torch
 from ..config import TrainingConfig, count_parameters, get_stage
 from ..parallel import ParallelLayout
 from ..platform import init_distributed
-from .checkpointer import check_paths
+from .checkpointer import check_paths, moved_message
 from .arguments import ModelSource, parse_args, resolve_model_config
 from .data import build_datasets, stage_data
 from .logger import TrainingLogger
@@ -24,7 +24,9 @@ def pretrain(argv: Optional[list[str]] = None) -> Trainer:
     cfg = TrainingConfig.from_args(args)
     env = init_distributed(timeout_minutes=args.distributed_timeout_minutes)
     log = TrainingLogger(env.rank)
-    check_paths(args.load, args.save)  # before hours of data and model building
+    moved = check_paths(args.load, args.save, args.overwrite_save)  # before hours of data and model building
+    if moved:
+        log.print(moved_message(args.save, moved))
     stage = get_stage(args.stage)
     log.print(f"> stage {stage.name}: {stage.description}; preset {args.model_preset}, "
               f"seq-length {args.seq_length}, world size {env.world_size} ({env.launcher}, "

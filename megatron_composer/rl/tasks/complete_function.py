@@ -12,7 +12,7 @@ all of it when the fence never closes). Its verdict:
                  the body's non-empty lines that parse on their own (so a model that
                  cannot yet write a whole function still gets a graded signal)
 
-Scoring runs `ast.parse` in-process: parsing executes nothing.
+Scoring runs `ast.parse` in-process (`python_ast.parse_python`, safe from threads): parsing executes nothing.
 """
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ import ast
 import dataclasses
 import hashlib
 from pathlib import Path
+
+from .python_ast import parse_python
 
 _FENCE = "```python\n"
 
@@ -42,7 +44,7 @@ def completion_code(text: str) -> str:
 def parses_with_body(header: str, body: str) -> bool:
     """Whether `header + body` is a function with at least one statement besides its docstring."""
     try:
-        tree = ast.parse(header.rstrip("\n") + "\n" + body)
+        tree = parse_python(header.rstrip("\n") + "\n" + body)
     except (SyntaxError, ValueError, MemoryError, RecursionError):
         return False
     funcs = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
@@ -54,7 +56,7 @@ def parses_with_body(header: str, body: str) -> bool:
 
 def _statement_parses(line: str) -> bool:
     try:
-        ast.parse(line.strip())
+        parse_python(line.strip())
     except (SyntaxError, ValueError, MemoryError, RecursionError):
         return False
     return True

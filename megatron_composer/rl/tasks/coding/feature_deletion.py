@@ -13,6 +13,7 @@ import ast
 import functools
 from pathlib import Path
 
+from ..python_ast import parse_python
 from .task import CodingTask, Edit
 
 FAMILY = "feature-deletion"
@@ -34,7 +35,7 @@ def codebase_files() -> dict[str, str]:
 def features(source: str) -> list[tuple[str, ast.FunctionDef]]:
     """(qualified name, node) of each module-level function and non-dunder method, in source order."""
     found = []
-    for node in ast.parse(source).body:
+    for node in parse_python(source).body:
         if isinstance(node, ast.FunctionDef):
             found.append((node.name, node))
         elif isinstance(node, ast.ClassDef):

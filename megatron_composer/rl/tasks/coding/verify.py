@@ -50,6 +50,7 @@ from pathlib import Path, PurePosixPath
 from typing import Mapping, Optional
 
 from ...sandbox import Sandbox
+from ..python_ast import parse_python
 from .task import CACHE_DIRS, CACHE_SUFFIXES, CodingTask, workspace_path
 
 MAX_FILE_BYTES = 1 << 20  # a larger workspace file is not copied (the model sees a note)
@@ -112,7 +113,7 @@ def expected_test_count(tests: Mapping[str, str]) -> int:
     for path, text in tests.items():
         if not _is_test_file(PurePosixPath(path).name):
             continue
-        for node in ast.parse(text).body:
+        for node in parse_python(text, path).body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test"):
                 count += 1
             elif isinstance(node, ast.ClassDef) and node.name.startswith("Test"):
