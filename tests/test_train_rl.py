@@ -129,16 +129,20 @@ def test_train_rl_runs_saves_and_resumes(data_dir, tmp_path):
         assert [json.loads(line)["iteration"] for line in f] == [1, 2, 3]
 
 
-@pytest.mark.parametrize("flag, more", [("--expert-model-parallel-size", []),
-                                        ("--tensor-model-parallel-size", ["--expert-tensor-parallel-size", "2"])])
-def test_the_synchronous_loop_refuses_sharded_weights_naming_async_rl(data_dir, flag, more):
-    """The colocated engine needs whole weights: the synchronous loop refuses EP and TP before building
-    anything, and names --async-rl (whose inference workers hold the whole model)."""
+@pytest.mark.parametrize("flag, more, match", [
+    ("--expert-model-parallel-size", [], "--expert-model-parallel-size 2 shards them; add --async-rl"),
+    ("--tensor-model-parallel-size", ["--expert-tensor-parallel-size", "2"],
+     "--tensor-model-parallel-size 2 shards them, and --async-rl does not join TP shards"),
+    ("--data-parallel-sharding", [], "--data-parallel-sharding hsdp shards them; add --async-rl")])
+def test_the_synchronous_loop_refuses_sharded_weights(data_dir, flag, more, match):
+    """The colocated engine needs whole weights: the synchronous loop refuses EP, TP and HSDP before
+    building anything. EP and HSDP name --async-rl (whose inference workers hold the whole model); TP,
+    which --async-rl refuses too, names the layouts that do shard the trainer."""
     from megatron_composer.rl.train import train_rl
 
-    with pytest.raises(ValueError, match=f"--async-rl.*{flag} 2|{flag} 2.*--async-rl"):
+    with pytest.raises(ValueError, match=match):
         train_rl(["--model-preset", "tiny", "--tokenizer-model", str(data_dir / "tokenizer.model"),
-                  "--data-cache-dir", str(data_dir), flag, "2", *more])
+                  "--data-cache-dir", str(data_dir), flag, "hsdp" if "sharding" in flag else "2", *more])
 
 
 @pytest.mark.parametrize("flag, value, match", [("--group-size", "0", "group-size"),

@@ -44,7 +44,8 @@ def train_rl(argv: Optional[list[str]] = None):
 
         return run_async_rl(run)
     refusal = colocated_engine_refusal(run.parallel.tensor_model_parallel_size,
-                                       run.parallel.expert_model_parallel_size)
+                                       run.parallel.expert_model_parallel_size,
+                                       run.training.data_parallel_sharding)
     if refusal is not None:  # before any rank starts building
         raise ValueError(refusal)
     trainer = build_rl_trainer(run)

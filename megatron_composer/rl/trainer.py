@@ -72,16 +72,28 @@ class _Scored:
         self.effort_counts = sample.effort or EffortCounts(final_message_tokens=len(sample.completion_ids), turns=1)
 
 
-def colocated_engine_refusal(tp: int, ep: int) -> Optional[str]:
+def colocated_engine_refusal(tp: int, ep: int, sharding: str = "ddp") -> Optional[str]:
     """Why the colocated engine cannot sample at this layout (None: it can). The engine decodes with the
-    rank's own weights, whole; tensor and expert parallelism leave each rank a shard of them. The RL step
-    itself (`train_on`) runs at any layout the CPT trainer takes; `--async-rl` samples on inference
-    workers that hold the whole model."""
-    for flag, size in (("--tensor-model-parallel-size", tp), ("--expert-model-parallel-size", ep)):
-        if size != 1:
-            return (f"the synchronous loop samples with an engine colocated on every rank, which needs whole "
-                    f"weights; {flag} {size} shards them; add --async-rl (inference workers hold the whole "
-                    f"model, the trainer ranks keep {flag} {size}) or use {flag} 1")
+    rank's own weights, whole; tensor and expert parallelism leave each rank a shard of them, and HSDP
+    would all-gather every layer in each decode step, which ranks decoding different prompts for
+    different lengths do not run in lockstep. The RL step itself (`train_on`) runs at any layout the CPT
+    trainer takes; `--async-rl` samples on inference workers that hold the whole model."""
+    if ep != 1:
+        return (f"the synchronous loop samples with an engine colocated on every rank, which needs whole "
+                f"weights; --expert-model-parallel-size {ep} shards them; add --async-rl (inference workers "
+                f"hold the whole model, the trainer ranks keep --expert-model-parallel-size {ep}) or use "
+                f"--expert-model-parallel-size 1")
+    if tp != 1:
+        return (f"the synchronous loop samples with an engine colocated on every rank, which needs whole "
+                f"weights; --tensor-model-parallel-size {tp} shards them, and --async-rl does not join TP "
+                f"shards either; use --tensor-model-parallel-size 1 and shard the trainer with "
+                f"--expert-model-parallel-size and --async-rl, or with --data-parallel-sharding hsdp "
+                f"and --async-rl")
+    if sharding == "hsdp":
+        return ("the synchronous loop samples with an engine colocated on every rank, which needs whole "
+                "weights; --data-parallel-sharding hsdp shards them; add --async-rl (inference workers hold "
+                "the whole model, the trainer ranks keep --data-parallel-sharding hsdp) or use "
+                "--data-parallel-sharding ddp")
     return None
 
 
@@ -108,7 +120,7 @@ class RLTrainer:
         t.pre_forward = self._pre_forward
         self.max_len = min(cfg.seq_length, model_cfg.max_position_embeddings)
         self.engine = self.backend = None  # the colocated engine needs whole weights on the rank
-        if colocated_engine_refusal(layout.tp, layout.ep) is None:
+        if colocated_engine_refusal(layout.tp, layout.ep, cfg.data_parallel_sharding) is None:
             self.engine = Engine(t.model, model_cfg, tokenizer, max_batch_size=rl.rollout.rollout_batch_size,
                                  max_model_len=self.max_len)
             self.backend = EngineBackend(self.engine)
@@ -212,7 +224,8 @@ class RLTrainer:
 
     def _need_engine(self) -> None:
         if self.engine is None:
-            raise ValueError(colocated_engine_refusal(self.trainer.layout.tp, self.trainer.layout.ep))
+            raise ValueError(colocated_engine_refusal(self.trainer.layout.tp, self.trainer.layout.ep,
+                                                      self.trainer.cfg.data_parallel_sharding))
 
     def _gather(self, samples: list[RolloutSample]) -> list[RolloutSample]:
         """All ranks' samples, each group once, in group order."""
