@@ -149,6 +149,13 @@ def test_rl_step_at_ep2_equals_one_rank(one_rank):
     _assert_same(_merged(run_distributed(_rl_step, 2, tokenizer, weights, ep=2, timeout=TIMEOUT_S)), want)
 
 
+def test_rl_step_at_cp2_equals_one_rank(one_rank):
+    """CP=2 on 2 ranks, no data parallelism: every sample split zigzag over the pair, its routes with its
+    tokens; every rank holds every expert."""
+    tokenizer, weights, want = one_rank
+    _assert_same(_merged(run_distributed(_rl_step, 2, tokenizer, weights, cp=2, timeout=TIMEOUT_S)), want)
+
+
 def _reference_sharded_like_policy(trainer):
     """HSDP: after the step the reference holds this rank's shard of each weight, as the policy does (the
     dense weights halved over the 2 ranks), not a whole copy."""
