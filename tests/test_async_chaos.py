@@ -147,7 +147,9 @@ def test_each_async_service_killed_once_in_one_run(data_dir, tmp_path):
     assert lines[0] == (f"async RL: trainer rank {plan['rank']} died (pid {dead} ended unexpectedly: killed, out of "
                         f"memory or crashed) after step {step} of {STEPS}; last complete checkpoint: "
                         f"{iteration_dir(save, kept)}; resume with: {shlex.join(resume)}"), why
-    assert "Traceback" not in text + errors, (why, errors[-3000:])
+    # the driver's own output (the workers' lines come prefixed "(EnvWorker pid=...)": a lost episode is
+    # logged with its traceback, by design)
+    assert not [line for line in (text + errors).splitlines() if line.startswith("Traceback")], (why, errors[-3000:])
     assert {"raylet", "gcs_server"} <= set(seen.values()), seen  # the session check below sees Ray's processes
     assert _left_after(first.pid) == {}, why
 
