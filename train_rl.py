@@ -8,14 +8,21 @@ See `python train_rl.py --help`, `megatron_composer/rl/trainer.py` and the READM
 """
 import sys
 
+from megatron_composer.rl.async_rl.failures import TrainerDied
 from megatron_composer.rl.train import train_rl
 from megatron_composer.training.entry import run_entry
 
 
 def main(argv=None) -> int:
     """Run; a configuration, data or checkpoint problem prints one line and exits 2 (1 for a run
-    stopped by its guards), without a traceback."""
-    return run_entry("train_rl.py", train_rl, argv)
+    stopped by its guards), without a traceback. With --async-rl, a dead trainer rank ends the job
+    with one line (what died, the last complete checkpoint, the command that resumes) and exit 1."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        return run_entry("train_rl.py", train_rl, argv)
+    except TrainerDied as died:
+        print(died.line([sys.executable, sys.argv[0]], argv), file=sys.stderr, flush=True)
+        return 1
 
 
 if __name__ == "__main__":

@@ -21,9 +21,9 @@ import os
 import pytest
 import torch
 
-# The sandbox's fork-bomb test bounds the host's process count, which the Ray cluster test raises by
-# dozens: the two modules share a worker.
-SAME_WORKER = {"test_sandbox": "host-processes", "test_async_rl": "host-processes"}
+# The sandbox's fork-bomb test bounds the host's process count, which the Ray cluster tests raise by
+# dozens: these modules share a worker.
+SAME_WORKER = {"test_sandbox": "host-processes", "test_async_rl": "host-processes", "test_async_chaos": "host-processes"}
 SHARED_RESULTS = ("tiny_cpt_losses",)  # session fixtures in tests/conftest.py
 
 

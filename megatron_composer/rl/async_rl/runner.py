@@ -35,12 +35,18 @@ The driver's loop (`AsyncRLRunner.run`):
    and a restart with `--load` loses or repeats no group; evaluate every
    `--eval-interval` steps on the evaluator (greedy, held-out tasks).
 
-A dead trainer rank ends the job (its process group spans every rank): resume
-it from the last checkpoint. Metrics per step go to stdout, TensorBoard /
+A dead trainer rank ends the job (its process group spans every rank): the
+driver notices it at the first failed trainer call (every rank's `train_step`
+is watched, not only rank 0's: a rank whose peer died may hang in a
+collective), asks every rank which of them is gone, kills every actor, shuts
+down the Ray instance it started and raises `failures.TrainerDied`, which
+train_rl.py prints as one line with the last complete checkpoint and the
+command that resumes from it. Metrics per step go to stdout, TensorBoard /
 wandb (rl/...), and `report.StepReport` in `--save` (rl_steps.jsonl, reward_curve.png, async_rl.png).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -50,6 +56,7 @@ from ...planner.inference import check_local_inference_worker
 from ..environments import environment_class
 from ..report import StepReport
 from ..rollout import due
+from .failures import TrainerDied, death_reason
 from .gather import check_publishable
 from .placement import ServiceLayout, actor_options, plan_placement, release, reserve
 from .reconciler import Reconciler, decode_state, encode_state, token_lags
@@ -107,9 +114,11 @@ class AsyncRLRunner:
         threads = max(1, (cores - args.inference_workers) // world)
         self.trainers = [trainer_cls.options(**actor_options(self.groups, "trainer", r)).remote(
             run, r, world, threads=threads, weight_dtype=args.weight_sync_dtype) for r in range(world)]
-        master, port = ray.get(self.trainers[0].address.remote())
-        ray.get([t.setup.remote(master, port) for t in self.trainers])
-        info = ray.get(self.trainers[0].describe.remote())
+        self.version, self.train_iters, self.save_dir = 0, run.training.train_iters, self.cfg.checkpoint.save
+        with self.watching_trainers():
+            master, port = ray.get(self.trainers[0].address.remote())
+            ray.get([t.setup.remote(master, port) for t in self.trainers])
+            info = ray.get(self.trainers[0].describe.remote())
         self.version, self.train_iters = info["iteration"], info["train_iters"]
         spec = RolloutSpec(rl, info["tokenizer_model"], info["seq_length"], info["seed"], info["tasks"],
                            long_tail=args.rollout_long_tail, server_url=args.rollout_server)
@@ -142,7 +151,6 @@ class AsyncRLRunner:
                                      max_policy_lag=args.max_policy_lag, synchronous=args.synchronous_rollouts)
         if info["buffer"] is not None:
             self.reconciler.load_state_dict(decode_state(info["buffer"]))
-        self.save_dir = self.cfg.checkpoint.save
         self.log = run.logging.logger(0)
         self.expired: set = set()  # group refs whose worker was killed for running past the timeout
         self.job = f"{os.getpid()}-{int(time.time())}"  # tells this job's rows in the step log from a resumed one's
@@ -154,8 +162,8 @@ class AsyncRLRunner:
                        f"{len(self.envs)} environment worker(s), evaluator {'on' if self.evaluator else 'off'}; "
                        f"{inflight} groups in flight, policy lag <= {args.max_policy_lag}"
                        f"{', synchronous rollouts' if args.synchronous_rollouts else ''}; "
-                       f"resuming at step {self.version}" + (f" with {len(self.reconciler.ready)} ready groups"
-                                                               if info["buffer"] else ""))
+                       + (f"resuming at step {self.version}" if self.version else "starting at step 0")
+                       + (f" with {len(self.reconciler.ready)} ready groups" if info["buffer"] else ""))
 
     def write_services(self) -> dict:
         """{service kind: [pid, ...]} of the actors now, also written to `--save`/async_rl_services.json."""
@@ -201,17 +209,63 @@ class AsyncRLRunner:
                     raise
                 time.sleep(0.5)
 
+    # ---- a dead trainer rank ----------------------------------------------------------
+    @contextlib.contextmanager
+    def watching_trainers(self):
+        """Turns a Ray error raised inside into `TrainerDied` when a trainer rank is gone (the error may be
+        the death itself, or a surviving rank's failed collective, or a subscriber's lost update)."""
+        ray = self.ray
+        try:
+            yield
+        except ray.exceptions.RayError as exc:
+            dead = self.dead_trainers()
+            if not dead:
+                raise
+            raise TrainerDied(dead, step=self.version, train_iters=self.train_iters, save=self.save_dir) from exc
+
+    def dead_trainers(self, timeout_s: float = 30.0) -> dict:
+        """{rank: why} of the trainer ranks that are gone. Each rank is asked for its pid in its publish
+        concurrency group, which answers beside a `train_step` hung in a collective; a rank that does not
+        answer within `timeout_s` is counted alive."""
+        ray = self.ray
+        asked = [t.pid.options(concurrency_group=PUBLISH).remote() for t in self.trainers]
+        ray.wait(asked, num_returns=len(asked), timeout=timeout_s)
+        dead = {}
+        for rank, ref in enumerate(asked):
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.RayActorError as exc:
+                dead[rank] = death_reason(exc)
+            except ray.exceptions.GetTimeoutError:
+                pass
+        return dead
+
+    def _on_every_rank(self, calls: list) -> list:
+        """ray.get of one call per trainer rank, raising as soon as one fails: the others may be hung in a
+        collective with it (gloo notices a dead peer, NCCL only at its timeout)."""
+        left = list(calls)
+        while left:
+            done, left = self.ray.wait(left, num_returns=1)
+            self.ray.get(done)
+        return self.ray.get(calls)
+
     # ---- the loop ----------------------------------------------------------------
     def run(self) -> dict:
+        """The loop of the module docstring until --train-iters; `TrainerDied` when a trainer rank dies."""
+        with self.watching_trainers():
+            return self._run()
+
+    def _run(self) -> dict:
         ray, rec, rl = self.ray, self.reconciler, self.rl
-        ray.get([t.prepare_save_dir.remote() for t in self.trainers])
+        self._on_every_rank([t.prepare_save_dir.remote() for t in self.trainers])
         self.sync_all(self.subscribers())
         self.write_services()
-        ray.get([w.reset_stats.remote() for w in self.inference if not self.run_config.async_rl.rollout_server] +
-                [t.start_clock.remote() for t in self.trainers])
+        ray.get([w.reset_stats.remote() for w in self.inference if not self.run_config.async_rl.rollout_server])
+        self._on_every_rank([t.start_clock.remote() for t in self.trainers])
         pending: dict = {}  # ObjectRef -> (group id, env worker, launch time)
         self.pushes: list = []  # (subscriber, ObjectRef of its update_weights)
         training = None  # (ref of rank 0's (metrics, version), token lags, launch time) of the step in flight
+        others: list = []  # the other ranks' train_step refs not yet returned: a failed one is seen at once
         evals: list = []
         started = time.perf_counter()
         evaluated = None  # the version last sent for evaluation
@@ -228,13 +282,16 @@ class AsyncRLRunner:
                     lags = token_lags(batch, self.version)
                     batch_ref = ray.put(batch)
                     calls = [t.train_step.remote(batch_ref) for t in self.trainers]
-                    training = (calls[0], lags, time.perf_counter())
-            waiting = list(pending) + ([training[0]] if training else [])
+                    training, others = (calls[0], lags, time.perf_counter()), calls[1:]
+            waiting = list(pending) + ([training[0]] if training else []) + others
             done, _ = ray.wait(waiting, num_returns=1, timeout=1.0)
             for ref in done:
                 if training is not None and ref == training[0]:
                     self.pushes += self._finish_step(training, started)
                     training = None
+                elif ref in others:
+                    others.remove(ref)
+                    ray.get(ref)  # raises a dead rank's error now, not when rank 0 gives up on it
                 else:
                     gid, _, _ = pending.pop(ref)
                     try:
@@ -258,7 +315,6 @@ class AsyncRLRunner:
         self.save(final=True)
         summary = self.summary(time.perf_counter() - started)
         self.plot()
-        self.log.close()
         return summary
 
     def _finish_step(self, training, started: float) -> list:
@@ -329,6 +385,8 @@ class AsyncRLRunner:
             try:
                 ok = ray.get(r)
             except ray.exceptions.RayError:
+                if self.dead_trainers():  # the update's source is gone: a snapshot would fail the same way
+                    raise
                 ok = False  # the subscriber died; Ray restarts it without weights
             if not ok and w not in behind:
                 behind.append(w)
@@ -378,7 +436,7 @@ class AsyncRLRunner:
                 self.version % self.cfg.checkpoint.save_interval == 0:
             return  # this step was just saved
         buffer = encode_state(self.reconciler.state_dict())
-        self.ray.get([t.save.remote(buffer) for t in self.trainers])
+        self._on_every_rank([t.save.remote(buffer) for t in self.trainers])
 
     def summary(self, wall: float) -> dict:
         h = self.history
@@ -397,15 +455,20 @@ class AsyncRLRunner:
         return self.report.plot()
 
     def shutdown(self) -> None:
+        """Kill every actor (a trainer rank hung in a collective too) and free the placement groups."""
         for actor in self.trainers + self.inference + self.envs + ([self.evaluator] if self.evaluator else []):
             self.ray.kill(actor, no_restart=True)
         release(self.groups)
+        self.log.close()
 
 
 def run_async_rl(run) -> dict:
-    """train_rl.py --async-rl: build, run, shut the actors down. An error inside an actor (a bad flag, a
-    missing checkpoint) is raised here as itself, not wrapped in Ray's traceback."""
+    """train_rl.py --async-rl: build, run, shut the actors down, and shut down the Ray instance this call
+    started (from a cluster it disconnects; a Ray the caller started stays up). An error inside an actor
+    (a bad flag, a missing checkpoint) is raised here as itself, not wrapped in Ray's traceback; a dead
+    trainer rank raises `TrainerDied`."""
     ray = _ray()
+    started_ray = not ray.is_initialized()  # here: a local instance, or a connection to --ray-address
     runner = None
     try:
         runner = AsyncRLRunner(run)
@@ -416,5 +479,9 @@ def run_async_rl(run) -> dict:
             raise cause from None
         raise
     finally:
-        if runner is not None:
-            runner.shutdown()
+        try:
+            if runner is not None:
+                runner.shutdown()
+        finally:
+            if started_ray:
+                ray.shutdown()
