@@ -128,6 +128,7 @@ class VLLMBackend(RolloutBackend):
         self.last_push: Optional[str] = None  # a server of ours: the last pushed weights (shared memory)
         self._gate = _Gate()
         self.push_seconds: list[float] = []
+        self._spec_seen = (0.0, 0.0)
         self.restarts = 0
         self._connect(url)
 
@@ -281,6 +282,35 @@ class VLLMBackend(RolloutBackend):
                              f"megatron_composer.rl.vllm_worker.WeightSwapExtension (this checkout on its "
                              "PYTHONPATH)")
         return self.client._check(response)
+
+    def metrics(self) -> dict:
+        """Since the last call: the last push's seconds and, with --vllm-mtp, the share of drafted tokens
+        vLLM accepted (its Prometheus counters)."""
+        out = {}
+        if self.push_seconds:
+            out["weight push seconds"] = self.push_seconds[-1]
+            self.push_seconds.clear()
+        if self.cfg.mtp:
+            counts = self.speculative_counts()
+            if counts is not None:
+                drafted = counts[1] - self._spec_seen[1]
+                if drafted > 0:
+                    out["mtp acceptance"] = (counts[0] - self._spec_seen[0]) / drafted
+                self._spec_seen = counts
+        return out
+
+    def speculative_counts(self) -> Optional[tuple[float, float]]:
+        """(accepted, drafted) tokens of vLLM's speculative decoding so far, from GET /metrics; None where the
+        server does not export them."""
+        text = self.client._http.get("/metrics").text
+        found = {}
+        for line in text.splitlines():
+            for key in ("spec_decode_num_accepted_tokens_total", "spec_decode_num_draft_tokens_total"):
+                if line.startswith(f"vllm:{key}"):
+                    found[key] = found.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+        if len(found) < 2:
+            return None
+        return found["spec_decode_num_accepted_tokens_total"], found["spec_decode_num_draft_tokens_total"]
 
     def pause(self) -> None:
         self.client._post("/pause?mode=keep", {})

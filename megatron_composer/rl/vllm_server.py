@@ -31,6 +31,7 @@ qk_rope_head_dim = 576 (the `tiny-vllm` preset; DeepSeek-V3's 512 + 64).
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import os
@@ -184,6 +185,8 @@ class VLLMServer:
             self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.environment(),
                                             start_new_session=True)  # its workers end with it (`stop`)
         self.starts += 1
+        if self.starts == 1:
+            atexit.register(self.stop)  # never outlive the run (a server in its own session would)
         deadline = time.monotonic() + self.cfg.startup_timeout_s
         while time.monotonic() < deadline:
             if not self.alive():
