@@ -157,13 +157,19 @@ class VLLMBackend(RolloutBackend):
         return cls(model_cfg, cfg, cfg.url, dtype=dtype, version=version)
 
     def _connect(self, url: str) -> None:
+        import httpx
+
         from ..inference.client import HTTPRolloutClient
 
-        self.client = HTTPRolloutClient(url, model=SERVED_NAME if self.server else None, flavor="vllm",
-                                        moe_shape=(self.model_cfg.num_moe_layers, self.model_cfg.moe_router_topk))
-        self.url = self.client.base_url
-        self.capabilities = BackendCapabilities(routed_experts=self._returns_routed_experts(),
-                                                policy_versions=True)
+        try:
+            self.client = HTTPRolloutClient(url, model=SERVED_NAME if self.server else None, flavor="vllm",
+                                            moe_shape=(self.model_cfg.num_moe_layers, self.model_cfg.moe_router_topk))
+            self.url = self.client.base_url
+            routed = self._returns_routed_experts()
+        except httpx.HTTPError as error:
+            raise RuntimeError(f"no vLLM server answers at {url}: {error}; start one (README: Rollouts through "
+                               "vLLM) or leave out --vllm-url to have the run start its own") from error
+        self.capabilities = BackendCapabilities(routed_experts=routed, policy_versions=True)
 
     def _returns_routed_experts(self) -> bool:
         """Probe: does this server answer `return_routed_experts` (vLLM's GPU model runner only)?"""
@@ -211,22 +217,24 @@ class VLLMBackend(RolloutBackend):
         import httpx
 
         while True:
+            starts = self.server.starts if self.server is not None else 0
             try:
                 with self._gate.generating():
                     return call()
             except (httpx.HTTPError, RuntimeError) as error:
-                self._recover(error)
+                self._recover(error, starts)
 
-    def _recover(self, error: BaseException) -> None:
-        """Restart a dead server of ours, or raise a clear error."""
+    def _recover(self, error: BaseException, starts: int) -> None:
+        """After `error` from a call made while the server had been started `starts` times: return to send
+        it again (the server was restarted meanwhile, or is now), or raise a clear error."""
         if self.server is None:
             raise RuntimeError(f"the vLLM server at {self.url} failed: {error}; check it is running "
                                "(--vllm-url)") from error
-        if self.server.alive():
-            raise error
         with self._gate.swapping():
-            if self.server.alive():  # another thread restarted it
+            if self.server.starts != starts:  # another request's failure restarted it
                 return
+            if self.server.alive():
+                raise error
             message = self.server.failure(f"exited with code {self.server.process.returncode}")
             if self.restarts >= self.cfg.restarts:
                 raise RuntimeError(f"{message}\n(restarted {self.restarts} time(s) already; --vllm-restarts "
