@@ -165,37 +165,16 @@ class RLTrainer:
 
     # ---- the vLLM rollout backend ----------------------------------------------------------
     def _vllm_backend(self):
-        """`--rollout-backend vllm`: global rank 0 starts the server on the weights now in the model (or
-        connects to --vllm-url and pushes them), the other ranks connect to the URL it names."""
-        import tempfile
+        """`--rollout-backend vllm` on the weights now in the model (`vllm_backend.start_for_ranks`)."""
+        from .vllm_backend import start_for_ranks
 
-        from .vllm_backend import VLLMBackend
-
-        rl, t = self.rl, self.trainer
+        rl = self.rl
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
             rl.vllm.dtype or ("bfloat16" if self.cfg.bf16 else "float32")]
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        state = self._policy_weights(dtype)
-        version = self.state.iteration
-        url = [None]
-        if rank == 0:
-            if rl.vllm.url:
-                backend = VLLMBackend.connect(self.model_cfg, rl.vllm, dtype=dtype)
-                backend.update_weights(state, version)
-            else:
-                self.vllm_workdir = tempfile.mkdtemp(prefix="vllm-rollouts-")
-                self.log.print(f"> starting a vLLM server (log {self.vllm_workdir}/vllm-server.log)")
-                backend = VLLMBackend.launch(self.model_cfg, state, rl.vllm, self.vllm_workdir, max_model_len=self.max_len,
-                                             dtype=dtype, version=version, routed_experts=rl.algorithm.router_replay)
-            url = [backend.url]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast_object_list(url, src=0)
-            if rank != 0:
-                from dataclasses import replace
-
-                backend = VLLMBackend.connect(self.model_cfg, replace(rl.vllm, url=url[0]), dtype=dtype,
-                                              version=version)
-        self.log.print(f"> rollouts through vLLM at {url[0]}")
+        backend, workdir = start_for_ranks(self.model_cfg, rl.vllm, self._policy_weights(dtype), dtype=dtype,
+                                           version=self.state.iteration, max_model_len=self.max_len,
+                                           routed_experts=rl.algorithm.router_replay, log=self.log.print)
+        self.vllm_workdir = workdir
         return backend
 
     def _replay_for_backend(self, rl: RLConfig) -> RLConfig:

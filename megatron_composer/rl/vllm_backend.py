@@ -336,3 +336,39 @@ class VLLMBackend(RolloutBackend):
         if self.server is not None:
             self.server.stop()
         self._forget_last_push()
+
+
+def start_for_ranks(model_cfg, cfg: VLLMConfig, state: Optional[dict], *, dtype: torch.dtype, version: int,
+                    max_model_len: int, routed_experts: bool, log=print) -> tuple[VLLMBackend, Optional[str]]:
+    """The backend of every trainer rank: global rank 0 starts a server on `state` (our weights, whole, on
+    rank 0 only) in a temporary directory, or connects to --vllm-url and pushes them; the other ranks
+    connect to the URL rank 0 names. Returns (backend, the directory to remove at the end or None)."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    url, workdir, backend = [None], None, None
+    if rank == 0:
+        if cfg.url:
+            backend = VLLMBackend.connect(model_cfg, cfg, dtype=dtype)
+            backend.update_weights(state, version)
+        else:
+            workdir = tempfile.mkdtemp(prefix="vllm-rollouts-")
+            log(f"> starting a vLLM server (log {workdir}/vllm-server.log)")
+            try:
+                backend = VLLMBackend.launch(model_cfg, state, cfg, workdir, max_model_len=max_model_len,
+                                             dtype=dtype, version=version, routed_experts=routed_experts)
+            except BaseException:  # the error quotes the log's tail; the directory goes
+                import shutil
+
+                shutil.rmtree(workdir, ignore_errors=True)
+                raise
+        url = [backend.url]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(url, src=0)
+        if rank != 0:
+            backend = VLLMBackend.connect(model_cfg, dataclasses.replace(cfg, url=url[0]), dtype=dtype,
+                                          version=version)
+    log(f"> rollouts through vLLM at {url[0]}")
+    return backend, workdir
