@@ -2,7 +2,8 @@
 
     rl = RLTrainer(model_cfg, layout, TrainingConfig(...), RLConfig(...), tokenizer)
     rl.resume()                          # --load: an SFT checkpoint (weights only) or an RL run
-    samples = rl.rollouts(step)          # synchronous driver: the colocated engine, this rank's groups
+    samples = rl.rollouts(step)          # synchronous driver: the colocated engine (or, with
+                                         # --rollout-backend vllm, a vLLM server), this rank's groups
     metrics = rl.train_on(samples)       # both drivers: one RL step on a step's samples
 
 `RLTrainer` has a `training.Trainer` (it overrides none of its methods): it
