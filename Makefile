@@ -2,12 +2,13 @@
 #   make demo       set up .venv and run the whole recipe at tiny scale (CPT, 256K, MTP, SFT, async RL)
 #   make demo-cpt   set up .venv and run only the tiny 32K-stage CPT on the embedded code corpus
 #   make test       set up .venv and run the test suite
+#   make vllm-env   build vLLM's own venv (the vLLM rollout backend; tools/vllm_env.sh)
 PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed
 
-.PHONY: setup bubblewrap demo demo-cpt test test-gpu doctor bench bench-gpu clean
+.PHONY: setup bubblewrap demo demo-cpt test test-gpu doctor bench bench-gpu clean vllm-env
 
 setup: bubblewrap $(STAMP)
 
@@ -49,6 +50,11 @@ test: bubblewrap $(STAMP)
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -rs -m gpu --continue-on-collection-errors
+
+# vLLM in a venv of its own (default ~/.cache/megatron-composer/vllm-env, VLLM_ENV=... elsewhere), built
+# once: train_rl.py --rollout-backend vllm --vllm-python <it>/bin/python, and the `vllm` tests.
+vllm-env:
+	bash tools/vllm_env.sh
 
 doctor: $(STAMP)
 	$(PY) -m megatron_composer.platform.doctor

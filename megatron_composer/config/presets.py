@@ -1,4 +1,5 @@
-"""Model presets: `tiny` (CPU), `small` (one GPU), `deepseek-v3`, `kimi-k2.5`.
+"""Model presets: `tiny` (CPU), `tiny-vllm` (CPU, servable by vLLM's CPU build), `small` (one GPU),
+`deepseek-v3`, `kimi-k2.5`.
 
 The full-size presets are the published architectures; on CPU they are only
 ever used as configs (parameter counts, memory plans), never materialized.
@@ -29,6 +30,31 @@ PRESETS: dict[str, ModelConfig] = {
         moe_shared_expert_intermediate_size=96,
         # 2 groups, 1 chosen: each group scored by its top-2 experts, as
         # DeepSeek-V3 does (megatron scores by top topk/group_topk).
+        moe_router_num_groups=2,
+        moe_router_group_topk=1,
+        moe_router_topk_scaling_factor=2.5,
+        mtp_num_layers=1,
+        max_position_embeddings=4096,
+        init_method_std=0.02,
+    ),
+    # `tiny` with the MLA sizes vLLM's CPU decode kernel takes (kv_lora_rank + rope dim = 576, as in
+    # DeepSeek-V3): the model the vLLM rollout backend is tested with on CPU (about 6M parameters).
+    "tiny-vllm": ModelConfig(
+        num_layers=3,
+        hidden_size=256,
+        num_attention_heads=4,
+        vocab_size=4096,
+        q_lora_rank=64,
+        kv_lora_rank=512,
+        qk_head_dim=32,
+        qk_pos_emb_head_dim=64,
+        v_head_dim=32,
+        ffn_hidden_size=512,
+        first_k_dense_layers=1,
+        num_experts=8,
+        moe_ffn_hidden_size=128,
+        moe_router_topk=2,
+        moe_shared_expert_intermediate_size=128,
         moe_router_num_groups=2,
         moe_router_group_topk=1,
         moe_router_topk_scaling_factor=2.5,

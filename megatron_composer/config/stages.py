@@ -42,7 +42,7 @@ def stage_seq_length(stage: str, model_preset: str) -> int:
 
 
 def tokenizer_sets_vocab(model_preset: str) -> bool:
-    """The tiny preset takes its vocabulary size from the tokenizer (the
+    """The tiny presets take their vocabulary size from the tokenizer (the
     embedded corpus's 4096-piece BPE, or the user's); other presets keep
     theirs and only grow it when the tokenizer is larger."""
-    return model_preset == "tiny"
+    return model_preset in ("tiny", "tiny-vllm")

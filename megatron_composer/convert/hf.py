@@ -48,7 +48,7 @@ from ..checkpoint.tracker import HF_ASSETS, TOKENIZER_MODEL
 from ..checkpoint.integrity import write_manifest
 from . import dcp_io
 from .config import ConversionError, hf_config_from_model, model_config_from_dict, model_config_from_hf
-from .keys import TensorMap, mtp_shared_copies, permute_rope_rows, tensor_maps
+from .keys import TensorMap, hf_part, mtp_shared_copies, permute_rope_rows, tensor_maps
 from .safetensors_io import INDEX, HFCheckpointReader, plan_shards, write_shards
 
 _WEIGHT_FILES = (INDEX, "config.json")
@@ -362,16 +362,9 @@ def mcore_to_hf(
         loaded = load_tensors(it_dir, {s: stored[s] for s in uses})
         for name in names:
             m, i = part[name]
-            if m.mcore is None:  # e_score_correction_bias of a model without expert bias
-                tensor = torch.zeros(m.shapes[i], dtype=out_dtype(name))
-            else:
-                full = loaded[m.mcore]
-                if m.rope and not interleaved:
-                    full = permute_rope_rows(cfg, m.rope, full, to_interleaved=False)
-                start = sum(s[0] for s in m.shapes[:i])
-                # a copy: safetensors refuses views that share one storage
-                tensor = full[start:start + m.shapes[i][0]].to(out_dtype(name), copy=True)
-                del full
+            # a zero e_score_correction_bias for a model without expert bias (m.mcore None)
+            tensor = hf_part(cfg, m, i, loaded.get(m.mcore), interleaved, out_dtype(name))
+            if m.mcore is not None:
                 uses[m.mcore] -= 1
                 if not uses[m.mcore]:
                     del loaded[m.mcore]  # keeps the peak near one shard

@@ -163,6 +163,41 @@ def mtp_shared_copies(cfg: ModelConfig) -> list[tuple[str, str]]:
     return pairs
 
 
+def hf_part(cfg: ModelConfig, m: TensorMap, i: int, full: Optional[torch.Tensor], interleaved: bool = True,
+            dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """HF tensor `m.hf[i]`: rows of our tensor `full` (a zero expert-score bias where `m.mcore` is None),
+    rope rows permuted for an HF layout that is not interleaved; a copy (safetensors refuses views that
+    share one storage)."""
+    if m.mcore is None:
+        return torch.zeros(m.shapes[i], dtype=dtype or torch.float32)
+    if m.rope and not interleaved:
+        full = permute_rope_rows(cfg, m.rope, full, to_interleaved=False)
+    start = sum(s[0] for s in m.shapes[:i])
+    return full[start:start + m.shapes[i][0]].to(dtype or full.dtype, copy=True)
+
+
+def hf_state_dict(cfg: ModelConfig, state: dict, dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
+    """Our weights under checkpoint (global) names -> the published DeepSeek-V3 tensors (MTP copies
+    included), in memory: what an inference server that loads Hugging Face names (vLLM, SGLang) takes.
+
+    Args:
+        state: {global name: tensor} (`checkpoint.state` names, e.g. `async_rl.gather.gather_policy`'s).
+        dtype: cast every tensor (None: keep each one's).
+    Raises ValueError naming a tensor the map needs that `state` lacks.
+    """
+    out = {}
+    for m in tensor_maps(cfg):
+        if m.mcore is not None and m.mcore not in state:
+            raise ValueError(f"the weights have no {m.mcore} (the {cfg.num_layers}-layer model's map needs it); "
+                             f"pass every parameter under its checkpoint name")
+        full = None if m.mcore is None else state[m.mcore].detach()
+        for i, name in enumerate(m.hf):
+            out[name] = hf_part(cfg, m, i, full, dtype=dtype)
+    for copy, main in mtp_shared_copies(cfg):
+        out[copy] = out[main]
+    return out
+
+
 def _rope_row_index(cfg: ModelConfig, kind: str, rows: int, to_interleaved: bool) -> torch.Tensor:
     """Row permutation of a q or kv_a weight between the two rope layouts."""
     d = cfg.qk_pos_emb_head_dim

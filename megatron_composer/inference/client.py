@@ -185,7 +185,10 @@ class HTTPRolloutClient:
 
     def _generate_openai(self, prompt: list[int], p: SamplingParams) -> Completion:
         data = self._post("/v1/completions", self._openai_body(prompt, p))
-        choice = data["choices"][0]
+        return self.openai_completion(prompt, data["choices"][0], data, p)
+
+    def openai_completion(self, prompt: list[int], choice: dict, data: dict, p: SamplingParams) -> Completion:
+        """One choice of a /v1/completions response (`data`) as a `Completion`."""
         logprobs = choice.get("logprobs") or {}
         ids = choice.get("token_ids")
         if ids is None:

@@ -13,7 +13,8 @@ from typing import Optional
 from ..config import TrainingConfig
 from ..training.arguments import LoggingConfig, ModelSource, ParallelSizes, build_parser, parse_args
 from .algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS
-from .config import KL_PLACEMENTS, AsyncConfig, RLConfig
+from .config import KL_PLACEMENTS, ROLLOUT_BACKENDS, AsyncConfig, RLConfig
+from .vllm_server import DTYPES as VLLM_DTYPES
 from .environments import ENVIRONMENTS
 from .tasks import TASKS
 
@@ -90,6 +91,34 @@ def build_rl_parser():
     g.add_argument("--rl-micro-batch-tokens", dest="micro_batch_tokens", type=int, default=d.micro_batch_tokens,
                    help="packed tokens per training micro-batch")
     g.add_argument("--rollout-batch-size", type=int, default=d.rollout_batch_size, help="engine cache slots")
+
+    g = p.add_argument_group("rollouts through vLLM (--rollout-backend vllm)")
+    g.add_argument("--rollout-backend", choices=ROLLOUT_BACKENDS, default=d.rollout_backend,
+                   help="engine: our engine colocated with the trainer; vllm: a vLLM server (started here in "
+                        "vLLM's own venv, or --vllm-url), weights pushed after every step")
+    g.add_argument("--vllm-url", default=d.vllm_url,
+                   help="a running vLLM server (VLLM_SERVER_DEV_MODE=1, --worker-extension-cls "
+                        "megatron_composer.rl.vllm_worker.WeightSwapExtension, --logprobs-mode processed_logprobs)")
+    g.add_argument("--vllm-python", default=d.vllm_python,
+                   help="the python of vLLM's venv (default: $VLLM_PYTHON, else the venv of make vllm-env)")
+    g.add_argument("--vllm-tensor-parallel-size", type=int, default=d.vllm_tensor_parallel_size)
+    g.add_argument("--vllm-expert-parallel-size", type=int, default=d.vllm_expert_parallel_size,
+                   help="vLLM's experts over this many ranks (--enable-expert-parallel, data parallel size "
+                        "this / --vllm-tensor-parallel-size)")
+    g.add_argument("--vllm-dtype", choices=VLLM_DTYPES, default=d.vllm_dtype,
+                   help="default: bfloat16 with --bf16, else float32 (the weights are pushed in it)")
+    g.add_argument("--vllm-max-model-len", type=int, default=d.vllm_max_model_len,
+                   help="default: --seq-length")
+    g.add_argument("--vllm-gpu-memory-utilization", type=float, default=d.vllm_gpu_memory_utilization)
+    g.add_argument("--vllm-kv-cache-gib", type=int, default=d.vllm_kv_cache_gib,
+                   help="KV cache of vLLM's CPU build (VLLM_CPU_KVCACHE_SPACE)")
+    g.add_argument("--vllm-mtp", type=int, default=d.vllm_mtp,
+                   help="speculative decoding with the checkpoint's MTP layers (deepseek_mtp): draft tokens "
+                        "per step; 0: off")
+    g.add_argument("--vllm-startup-timeout-s", type=float, default=d.vllm_startup_timeout_s)
+    g.add_argument("--vllm-restarts", type=int, default=d.vllm_restarts,
+                   help="times a vLLM server of this run that died is started again")
+    g.add_argument("--vllm-extra-args", default=d.vllm_extra_args, help="more vLLM server flags, space-separated")
 
     g = p.add_argument_group("agentic environment (--env agentic-coding)")
     g.add_argument("--env", choices=sorted(ENVIRONMENTS), default=d.env,
@@ -184,6 +213,10 @@ def parse_rl_args(argv: Optional[list[str]] = None) -> RLRunConfig:
     if rl.algorithm.micro_batch_tokens < args.seq_length:
         raise ValueError(f"--rl-micro-batch-tokens {rl.algorithm.micro_batch_tokens} is below --seq-length "
                          f"{args.seq_length}: a sample of full length would fit no micro-batch")
+    if rl.rollout.backend == "vllm" and (args.async_rl or args.ray_address is not None):
+        raise ValueError("--rollout-backend vllm samples in the synchronous loop (weights pushed after every "
+                         "step); --async-rl samples on Ray inference workers of our engine or --rollout-server "
+                         "(our server); drop one of the two")
     async_rl = AsyncConfig(**{f: getattr(args, f) for f in AsyncConfig.__dataclass_fields__ if f != "enabled"},
                            enabled=args.async_rl or args.ray_address is not None)
     return RLRunConfig(training=cfg, rl=rl, model=ModelSource.from_args(args), parallel=ParallelSizes.from_args(args),

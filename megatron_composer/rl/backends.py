@@ -5,8 +5,10 @@ A backend is token ids in, token ids out:
     generate(prompts, params)   one `inference.Completion` per prompt: generated ids, the sampler's
                                 per-token log-probs (at the sampling temperature), the policy version
                                 of every token, and the routed experts where the backend records them
+    generate_n(prompt, p, n)    n samples of one prompt, sample i seeded p.seed + i
     update_weights(source, v)   new weights (a state dict, a weight-sync update, or None for weights
-                                shared in process), tagged with version v
+                                shared in process: `shares_weights`), tagged with version v
+    metrics()                   what the backend measured since the last call (weight-push seconds, ...)
     pause() / resume()          hold new scheduling around an in-flight update (sequences in flight
                                 keep their cache and continue on the new weights after `resume`)
 
@@ -18,10 +20,12 @@ flags once at start-up (router replay needs routed experts).
 
 Registered here: `engine` (our engine in this process, sharing the trainer's
 weights: laptops, tests, the exactness reference) and `http` (a server of
-ours, vLLM or SGLang behind `inference.HTTPRolloutClient`). The async
-services add a Ray actor's handle (`async_rl.services.RayBackend`). A vLLM
-or SGLang backend driven some other way is one more `@register_backend`
-class; nothing outside this module branches on which backend runs.
+ours, vLLM or SGLang behind `inference.HTTPRolloutClient`); `vllm_backend`
+registers `vllm` (vLLM's server, started by the run or given by URL, weights
+pushed after every step). The async services add a Ray actor's handle
+(`async_rl.services.RayBackend`). A backend driven some other way is one more
+`@register_backend` class; nothing outside the backends branches on which
+one runs.
 """
 from __future__ import annotations
 
@@ -44,9 +48,24 @@ class RolloutBackend:
 
     name = "abstract"
     capabilities = BackendCapabilities(routed_experts=False, policy_versions=False)
+    shares_weights = False  # True: serves the trainer's own weight tensors (update_weights(None, v))
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         raise NotImplementedError
+
+    def generate_n(self, prompt: list[int], params: SamplingParams, n: int) -> list[Completion]:
+        """`n` samples of `prompt`, sample i seeded `params.seed + i` (vLLM's rule for its `n`); here as
+        `n` concurrent requests, which a batching backend serves in one batch."""
+        import concurrent.futures
+        import dataclasses
+
+        seeds = [None if params.seed is None else (params.seed + i) % 2 ** 63 for i in range(n)]
+        with concurrent.futures.ThreadPoolExecutor(n) as pool:
+            return list(pool.map(lambda s: self.generate([prompt], dataclasses.replace(params, seed=s))[0], seeds))
+
+    def metrics(self) -> dict:
+        """What the backend measured since the last call, for the step's metrics (none here)."""
+        return {}
 
     def update_weights(self, source, version: Optional[int] = None) -> int:
         raise NotImplementedError
@@ -79,6 +98,7 @@ class EngineBackend(RolloutBackend):
     between two decode steps."""
 
     capabilities = BackendCapabilities(routed_experts=True, policy_versions=True)
+    shares_weights = True
 
     def __init__(self, engine):
         self.engine = engine

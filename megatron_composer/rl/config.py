@@ -6,6 +6,7 @@
       reward       the `--reward` terms, the length penalty, user modules of reward terms (`rewards.py`)
       environment  `--env` and what it needs: tasks, turns, summaries, the sandbox (`environments.py`)
       feedback     textual feedback: hint rules, the teacher and its KL (`feedback.py`, `feedback_loss.py`)
+      vllm         the vLLM server of `--rollout-backend vllm` (`vllm_server.VLLMConfig`, `--vllm-*`)
     AsyncConfig    the asynchronous services (`--async-rl`)
 
 Each section checks its own values; `RLConfig` checks what spans sections.
@@ -18,8 +19,11 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS
+from .vllm_server import VLLMConfig
 
 KL_PLACEMENTS = ("reward", "loss")
+# where the synchronous loop's samples come from: our engine colocated with the trainer, or a vLLM server
+ROLLOUT_BACKENDS = ("engine", "vllm")
 
 
 def _at_least(section, minimum: int, *names: str) -> None:
@@ -38,10 +42,13 @@ class RolloutConfig:
     rollout_batch_size: int = 64  # engine cache slots
     eval_tasks: int = 0  # held-out tasks evaluated (greedy) before the first step, every eval_interval, at the end
     eval_interval: int = 0
+    backend: str = "engine"  # --rollout-backend: one of ROLLOUT_BACKENDS
 
     def __post_init__(self):
         from .policy_losses import check_rl_sampling
 
+        if self.backend not in ROLLOUT_BACKENDS:
+            raise ValueError(f"--rollout-backend {self.backend!r}; use one of {', '.join(ROLLOUT_BACKENDS)}")
         _at_least(self, 1, "group_size", "prompts_per_step", "max_new_tokens", "rollout_batch_size")
         _at_least(self, 0, "eval_tasks", "eval_interval")
         # every backend returns full-vocabulary log-probs at T (`backends`): no truncation in RL
@@ -176,10 +183,13 @@ class FeedbackConfig:
         resolve_rules(",".join(names), long_thought_tokens=self.long_thought_tokens)
 
 
-# flag dest -> (section, field) where the names differ; every other dest is a field of its section
-_RENAMED = {"env": ("environment", "name"), "reward": ("reward", "terms"), "reward_module": ("reward", "modules")}
+# flag dest -> (section, field) where the names differ; every other dest is a field of its section, prefixed
+# with the section's name in the sections of _PREFIXED
+_RENAMED = {"env": ("environment", "name"), "reward": ("reward", "terms"), "reward_module": ("reward", "modules"),
+            "rollout_backend": ("rollout", "backend")}
 _SECTIONS = {"rollout": RolloutConfig, "algorithm": AlgorithmConfig, "reward": RewardConfig,
-             "environment": EnvironmentConfig, "feedback": FeedbackConfig}
+             "environment": EnvironmentConfig, "feedback": FeedbackConfig, "vllm": VLLMConfig}
+_PREFIXED = ("feedback", "vllm")
 
 
 @dataclass(frozen=True)
@@ -191,6 +201,7 @@ class RLConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
     feedback: FeedbackConfig = field(default_factory=FeedbackConfig)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
     def __post_init__(self):
         from .environments import environment_class
@@ -204,12 +215,12 @@ class RLConfig:
     def flag_names(cls) -> dict[str, tuple[str, str]]:
         """{flag dest: (section, field)} of every RL flag."""
         names = {}
+        flag = lambda section, name: f"{section}_{name}" if section in _PREFIXED else name  # noqa: E731
         for section, kind in _SECTIONS.items():
             for name in kind.__dataclass_fields__:
-                prefixed = f"feedback_{name}" if section == "feedback" else name
-                names[prefixed] = (section, name)
+                names[flag(section, name)] = (section, name)
         for dest, (section, name) in _RENAMED.items():
-            names.pop(name if section != "feedback" else f"feedback_{name}", None)
+            names.pop(flag(section, name), None)
             names[dest] = (section, name)
         return names
 

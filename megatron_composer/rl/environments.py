@@ -127,8 +127,12 @@ class SingleTurnEnvironment(Environment):
             stop = ()
         params = [sampling_params(rl, seed=s, max_tokens=n, stop_token_ids=stop, routed_experts=rl.algorithm.router_replay)
                   for n, s in zip(lengths, seeds)]
-        with concurrent.futures.ThreadPoolExecutor(len(params)) as pool:  # one batch in the backend
-            outs = list(pool.map(lambda p: backend.generate([ids], p)[0], params))
+        generate_n = getattr(backend, "generate_n", None)  # a `RolloutBackend`'s (a bare client has none)
+        if generate_n and not self.long_tail and all(s == seeds[0] + i for i, s in enumerate(seeds)):
+            outs = generate_n(ids, params[0], len(seeds))  # the group as one request
+        else:
+            with concurrent.futures.ThreadPoolExecutor(len(params)) as pool:  # one batch in the backend
+                outs = list(pool.map(lambda p: backend.generate([ids], p)[0], params))
         return [completion_sample(group_id, i, out, tok, self.task, prompt) for i, out in enumerate(outs)]
 
     def describe(self):

@@ -4,7 +4,10 @@
 
 The synchronous loop samples with the engine colocated on every rank, so it
 takes data and context parallelism only; tensor or expert parallelism is
-refused with `--async-rl` named (`trainer.colocated_engine_refusal`).
+refused with `--async-rl` named (`trainer.colocated_engine_refusal`). With
+`--rollout-backend vllm` it samples from a vLLM server instead, which gets the
+policy gathered whole after every step (expert parallelism and HSDP allowed,
+tensor and pipeline parallelism refused: `async_rl.gather.check_publishable`).
 
 The synchronous driver only schedules; the step is `RLTrainer.train_on`, the
 rollouts `RLTrainer.rollouts` over the environment interface, the report
@@ -43,16 +46,23 @@ def train_rl(argv: Optional[list[str]] = None):
             print(moved_message(ckpt.save, moved), flush=True)
 
         return run_async_rl(run)
-    refusal = colocated_engine_refusal(run.parallel.tensor_model_parallel_size,
-                                       run.parallel.expert_model_parallel_size,
-                                       run.training.data_parallel_sharding)
-    if refusal is not None:  # before any rank starts building
-        raise ValueError(refusal)
+    if run.rl.rollout.backend == "engine":
+        refusal = colocated_engine_refusal(run.parallel.tensor_model_parallel_size,
+                                           run.parallel.expert_model_parallel_size,
+                                           run.training.data_parallel_sharding)
+        if refusal is not None:  # before any rank starts building
+            raise ValueError(refusal)
+    else:  # the policy is gathered whole for each push
+        from .async_rl.gather import check_publishable
+
+        p = run.parallel
+        check_publishable(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_tensor_parallel_size)
     trainer = build_rl_trainer(run)
     try:
         trainer.resume()
         train_sync(trainer)
     finally:
+        trainer.close()
         trainer.log.close()
     return trainer
 

