@@ -383,7 +383,8 @@ def test_published_deepseek_v3_config_is_our_preset():
     ({"rope_scaling": dict(PUBLISHED_DEEPSEEK_V3["rope_scaling"], mscale=0)}, "rope_scaling.mscale"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"moe_layer_freq": 2}, "moe_layer_freq"),
-    ({"quantization_config": {"quant_method": "compressed-tensors"}}, "quantization_config.quant_method"),
+    ({"quantization_config": {"quant_method": "awq", "bits": 4}}, "quantization_config.quant_method='awq'"),
+    ({"quantization_config": {"quant_method": "compressed-tensors"}}, "quantization_config.format=None"),
     ({"topk_method": "group_limited_greedy"}, "topk_method"),
     ({"model_type": "deepseek_v32"}, "model_type"),
 ])

@@ -54,6 +54,9 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=list(DTYPES), default="keep", help="cast every tensor")
     p.add_argument("--fp8-dtype", choices=["bf16", "fp32"], default="bf16",
                    help="hf-to-mcore: dtype of dequantized FP8 weights")
+    p.add_argument("--export-int4", action="store_true",
+                   help="mcore-to-hf: routed experts as compressed-tensors INT4 pack-quantized (Kimi K2.5's "
+                        "serving format; re-quantizing adds rounding error, see README) instead of --dtype")
     p.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"),
                    help="bound on one output file (HF shard or DCP file), hence on memory")
     p.add_argument("--overwrite", action="store_true", help="replace --save if it exists")
@@ -72,7 +75,7 @@ def main(argv=None) -> int:
         else:
             mcore_to_hf(args.load, args.save, iteration=args.iteration, dtype=DTYPES[args.dtype],
                         max_shard_bytes=args.max_shard_size, overwrite=args.overwrite,
-                        progress=not args.no_progress)
+                        progress=not args.no_progress, export_int4=args.export_int4)
     except (ConversionError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

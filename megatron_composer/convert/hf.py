@@ -48,8 +48,18 @@ from ..checkpoint.tracker import HF_ASSETS, TOKENIZER_MODEL
 from ..checkpoint.integrity import write_manifest
 from . import dcp_io
 from .config import ConversionError, hf_config_from_model, model_config_from_dict, model_config_from_hf
+from .int4 import DEFAULT_CONFIG as INT4_DEFAULT_CONFIG, METHOD as INT4_METHOD, PACKED, SCALE, SHAPE, parse_int4_config
 from .keys import TensorMap, mtp_shared_copies, permute_rope_rows, tensor_maps
-from .safetensors_io import INDEX, HFCheckpointReader, plan_shards, write_shards
+from .multimodal import (
+    TEXT_PREFIX,
+    export_config,
+    keep_aside,
+    read_manifest,
+    read_source_config,
+    restore_tensor,
+    tensor_nbytes,
+)
+from .safetensors_io import _PER_EXPERT, INDEX, HFCheckpointReader, plan_shards, write_shards
 
 _WEIGHT_FILES = (INDEX, "config.json")
 _IGNORED_HF = (".rotary_emb.inv_freq",)
@@ -99,19 +109,6 @@ def _read_json(path: str) -> dict:
         raise ConversionError(f"missing {path}")
     with open(path) as f:
         return json.load(f)
-
-
-def _fp8_block(hf: dict) -> tuple[int, int]:
-    quant = hf.get("quantization_config")
-    if not quant:
-        return (128, 128)
-    method = quant.get("quant_method")
-    if method != "fp8" or quant.get("fmt", "e4m3") != "e4m3":
-        raise ConversionError(
-            f"quantization_config.quant_method={method!r} fmt={quant.get('fmt')!r}: only DeepSeek's "
-            "block-scaled fp8 (e4m3) weights are dequantized on import"
-        )
-    return tuple(quant.get("weight_block_size") or (128, 128))
 
 
 def _mtp_layers_present(keys, num_layers: int) -> int:
@@ -240,9 +237,15 @@ def hf_to_mcore(
     """
     _single_process()
     _check_destination(save_dir, overwrite)
-    hf = _read_json(os.path.join(load_dir, "config.json"))
-    with HFCheckpointReader(load_dir, _fp8_block(hf), fp8_dtype) as reader:
+    source = read_source_config(_read_json(os.path.join(load_dir, "config.json")))
+    hf = source.text
+    with HFCheckpointReader(load_dir, source.fp8_block(), fp8_dtype, prefix=source.prefix,
+                            int4=source.int4) as reader:
+        if source.wrapper and not reader.keys:
+            raise ConversionError(f"config.json has a text_config but no tensor of {load_dir} starts with "
+                                  f"{source.prefix!r}; the text model's weights must be stored under it")
         cfg, maps, dtypes = _plan_import(reader, hf, expert_model_parallel_size)
+        kept = reader.other_keys  # the vision tower and projector of a multimodal wrapper
         interleaved = bool(hf.get("rope_interleave", True))
         by_name = {m.mcore: m for m in maps}
         specs = {m.mcore: (m.mcore_shape, dtype or dtypes[m.mcore]) for m in maps}
@@ -261,8 +264,15 @@ def hf_to_mcore(
             "conversion": {
                 "source": os.path.abspath(load_dir),
                 "rope_interleave": interleaved,
-                "fp8_dequantized": "quantization_config" in hf,
+                "fp8_dequantized": source.quant_method == "fp8",
+                "int4_dequantized": source.quant_method == INT4_METHOD,
                 "fused_experts": reader.fused_experts,
+                # a multimodal wrapper (Kimi K2.5): its config, and where the text model's
+                # quantization_config sat, for export
+                "hf_wrapper_config": source.full if source.wrapper else None,
+                "quantization_config": source.quant,
+                "quantization_location": source.quant_location,
+                "kept_aside_tensors": len(kept),
             },
             "args": {"expert_model_parallel_size": expert_model_parallel_size},
         }
@@ -270,6 +280,8 @@ def hf_to_mcore(
             it_dir = iteration_dir(tmp, 0)
             with tqdm(total=total, unit="B", unit_scale=True, desc="hf->mcore", disable=not progress) as bar:
                 dcp_io.save_lazily(it_dir, specs, produce, max_file_bytes, on_tensor=bar.update)
+            if kept:
+                keep_aside(reader, kept, tmp, max_file_bytes)
             with open(os.path.join(it_dir, "meta.json"), "w") as f:
                 json.dump(meta, f, indent=2, sort_keys=True, default=str)
             write_manifest(it_dir)  # training verifies converted checkpoints like its own
@@ -277,7 +289,8 @@ def hf_to_mcore(
                 f.write("0")
             _copy_assets(load_dir, os.path.join(tmp, HF_ASSETS))
     _log(f"wrote {save_dir}: {cfg.num_layers} layers, {cfg.num_experts} experts, "
-         f"{cfg.mtp_num_layers} MTP layer(s), {total / 2**30:.2f} GiB")
+         f"{cfg.mtp_num_layers} MTP layer(s), {total / 2**30:.2f} GiB"
+         + (f"; {len(kept)} vision tensor(s) kept aside unchanged" if kept else ""))
     return cfg
 
 
@@ -306,6 +319,15 @@ def _hf_order(cfg: ModelConfig, maps: list[TensorMap]) -> list[str]:
     return order
 
 
+def _int4_export_config(conversion: dict) -> dict:
+    """The quantization_config `--export-int4` writes: the imported compressed-tensors one (Kimi's
+    own groups and ignore list), else Kimi K2.5's scheme for the routed experts."""
+    quant = conversion.get("quantization_config")
+    if quant and quant.get("quant_method") == INT4_METHOD:
+        return dict(quant, quantization_status="compressed")
+    return dict(INT4_DEFAULT_CONFIG)
+
+
 def mcore_to_hf(
     load_dir: str,
     save_dir: str,
@@ -314,6 +336,7 @@ def mcore_to_hf(
     max_shard_bytes: int = 5 << 30,
     overwrite: bool = False,
     progress: bool = True,
+    export_int4: bool = False,
 ) -> dict:
     """Convert our checkpoint into a sharded HF DeepSeek-V3 checkpoint; return its config.
 
@@ -323,9 +346,15 @@ def mcore_to_hf(
         dtype: cast every tensor (None: keep the stored dtypes).
         max_shard_bytes: bound on one safetensors shard; peak memory is about
             one shard plus its largest tensor.
+        export_int4: write the routed experts as compressed-tensors INT4
+            (`int4.Int4Scheme.quantize`) instead of `dtype`.
 
-    The output also holds the imported HF checkpoint's non-weight files, if
-    any, and the tokenizer the checkpoint carries (`checkpoint.checkpoint_tokenizer`).
+    A checkpoint imported from a multimodal wrapper (Kimi K2.5) is written back
+    in that layout: the text model under `language_model.`, its config inside
+    the wrapper's `text_config`, and the vision tensors kept aside at import
+    restored byte for byte. The output also holds the imported HF checkpoint's
+    non-weight files, if any, and the tokenizer the checkpoint carries
+    (`checkpoint.checkpoint_tokenizer`).
     """
     _single_process()
     _check_destination(save_dir, overwrite)
@@ -333,7 +362,16 @@ def mcore_to_hf(
     if "model_config" not in meta:
         raise ConversionError(f"{it_dir}/meta.json has no model_config")
     cfg = model_config_from_dict(meta["model_config"])
-    interleaved = bool(meta.get("conversion", {}).get("rope_interleave", True))
+    conversion = meta.get("conversion") or {}
+    interleaved = bool(conversion.get("rope_interleave", True))
+    prefix = TEXT_PREFIX if conversion.get("hf_wrapper_config") else ""
+    kept = read_manifest(root) if prefix else None
+    if conversion.get("kept_aside_tensors") and not kept:
+        raise ConversionError(f"{root} was imported with {conversion['kept_aside_tensors']} vision tensor(s) kept "
+                              "aside, but its hf_multimodal/ directory is missing; copy it along with the "
+                              "checkpoint, or re-convert the Hugging Face source")
+    int4_config = _int4_export_config(conversion) if export_int4 else None
+    int4 = parse_int4_config(int4_config) if int4_config else None
     stored = tensor_specs(it_dir)
     maps = tensor_maps(cfg)
     _check_stored(it_dir, maps, stored)
@@ -346,21 +384,54 @@ def mcore_to_hf(
         m, _ = part[name]
         return dtype or (stored[m.mcore][1] if m.mcore else torch.float32)
 
-    def nbytes(name: str) -> int:
+    def quantized(name: str) -> bool:
+        return int4 is not None and _PER_EXPERT.match(name) is not None
+
+    # output tensor name -> (HF name it comes from, INT4 part or None); vision tensors map to None
+    outputs: dict[str, Optional[tuple[str, Optional[str]]]] = {}
+    for name in _hf_order(cfg, maps):
+        if quantized(name):
+            module = name[: -len(".weight")]
+            outputs.update({f"{prefix}{module}.{p}": (name, p) for p in (PACKED, SCALE, SHAPE)})
+        else:
+            outputs[prefix + name] = (name, None)
+    for key in (kept or {}).get("tensors", {}):
+        outputs[key] = None
+
+    def nbytes(out: str) -> int:
+        if outputs[out] is None:
+            return tensor_nbytes(kept["tensors"][out])
+        name, p = outputs[out]
         m, i = part[name]
+        rows, cols = m.shapes[i][0], (m.shapes[i][1] if len(m.shapes[i]) > 1 else 1)
+        if p == PACKED:
+            return rows * -(-cols * 4 // 32) * 4
+        if p == SCALE:
+            return rows * -(-cols // int4.group_size) * out_dtype(name).itemsize
+        if p == SHAPE:
+            return 16
         return torch.Size(m.shapes[i]).numel() * out_dtype(name).itemsize
 
-    hf = hf_config_from_model(cfg, meta.get("hf_config"), rope_interleave=interleaved,
-                              dtype=str(out_dtype("model.embed_tokens.weight")).replace("torch.", ""))
-    order = _hf_order(cfg, maps)
-    shards = plan_shards([(n, nbytes(n)) for n in order], max_shard_bytes)
-    total = sum(nbytes(n) for n in order)
+    text_hf = hf_config_from_model(cfg, meta.get("hf_config"), rope_interleave=interleaved,
+                                   dtype=str(out_dtype("model.embed_tokens.weight")).replace("torch.", ""))
+    hf = export_config(text_hf, conversion, int4_config)
+    shards = plan_shards([(n, nbytes(n)) for n in outputs], max_shard_bytes)
+    total = sum(nbytes(n) for n in outputs)
 
     def produce(names: list[str]):
-        uses = Counter(part[n][0].mcore for n in names)
+        text = [outputs[n][0] for n in names if outputs[n] is not None]
+        uses = Counter(part[n][0].mcore for n in dict.fromkeys(text))
         uses.pop(None, None)
         loaded = load_tensors(it_dir, {s: stored[s] for s in uses})
-        for name in names:
+        packed: dict[str, dict] = {}
+        for out in names:
+            if outputs[out] is None:
+                yield out, restore_tensor(root, kept, out)
+                continue
+            name, p = outputs[out]
+            if p is not None and name in packed:
+                yield out, packed[name][p]
+                continue
             m, i = part[name]
             if m.mcore is None:  # e_score_correction_bias of a model without expert bias
                 tensor = torch.zeros(m.shapes[i], dtype=out_dtype(name))
@@ -375,7 +446,11 @@ def mcore_to_hf(
                 uses[m.mcore] -= 1
                 if not uses[m.mcore]:
                     del loaded[m.mcore]  # keeps the peak near one shard
-            yield name, tensor
+            if p is not None:
+                packed[name] = int4.quantize(prefix + name[: -len(".weight")], tensor)
+                yield out, packed[name][p]
+            else:
+                yield out, tensor
 
     with _atomic_output_dir(save_dir, overwrite) as tmp:
         assets = os.path.join(root, HF_ASSETS)
@@ -388,5 +463,6 @@ def mcore_to_hf(
             write_shards(tmp, shards, produce, on_bytes=bar.update)
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(hf, f, indent=2, sort_keys=True)
-    _log(f"wrote {save_dir}: {len(shards)} shard(s), {total / 2**30:.2f} GiB")
+    _log(f"wrote {save_dir}: {len(shards)} shard(s), {total / 2**30:.2f} GiB"
+         + (", routed experts in INT4" if int4 else ""))
     return hf
