@@ -26,6 +26,7 @@ from megatron_composer.convert import (
     mcore_to_hf,
     model_config_from_hf,
 )
+from tests.test_kimi_tokenizer import write_kimi_tokenizer
 from tests.test_convert import (
     YARN,
     _per_expert,
@@ -137,6 +138,7 @@ def write_kimi(path, seed=0, int4=True, quant=None, **overrides):
     }
     (path / "config.json").write_text(json.dumps(config, indent=1))
     (path / "configuration_kimi_k25.py").write_text("# remote code travels with the weights\n")
+    write_kimi_tokenizer(path)
     return model, vision
 
 
@@ -298,3 +300,35 @@ def test_vision_file_changed_after_import_is_refused_on_export(kimi, kimi_bf16, 
     save_file(tensors, mm / fname)
     with pytest.raises(ConversionError, match=f"{key} in .*the manifest says"):
         mcore_to_hf(str(copy_dir), str(tmp_path / "back"), progress=False)
+
+
+def test_the_tokenizer_travels_with_the_checkpoint(kimi, kimi_bf16, tmp_path):
+    """Import keeps tiktoken.model + tokenizer_config.json; the checkpoint's tokenizer is Kimi's
+    (so preprocessing, the chat template and the server use it); training's copy of it
+    (`copy_tokenizer`) keeps its special tokens; export writes both files back."""
+    import shutil
+
+    from megatron_composer.checkpoint import checkpoint_tokenizer
+    from megatron_composer.checkpoint.tracker import copy_tokenizer
+    from megatron_composer.data.tiktoken_tokenizer import TiktokenTokenizer
+    from megatron_composer.data.tokenizer import Tokenizer
+
+    path, _, _ = kimi
+    ours, back = kimi_bf16
+    carried = checkpoint_tokenizer(ours)
+    assert carried == os.path.join(ours, "hf_assets", "tiktoken.model")
+    tok = Tokenizer(carried)
+    assert isinstance(tok, TiktokenTokenizer)
+    for name in ("tiktoken.model", "tokenizer_config.json"):
+        assert open(os.path.join(back, name), "rb").read() == (path / name).read_bytes()
+    assert not os.path.exists(os.path.join(back, "tokenizer.model"))
+
+    trained = tmp_path / "trained"  # a training run's first save copies the tokenizer to its root
+    shutil.copytree(ours, trained)
+    assert copy_tokenizer(str(trained), carried)
+    assert checkpoint_tokenizer(str(trained)) == str(trained / "tokenizer.model")
+    again = Tokenizer(checkpoint_tokenizer(str(trained)))
+    assert again.chat == tok.chat and again.encode("def f(): pass") == tok.encode("def f(): pass")
+    mcore_to_hf(str(trained), str(tmp_path / "back"), progress=False)
+    for name in ("tiktoken.model", "tokenizer_config.json"):
+        assert (tmp_path / "back" / name).read_bytes() == (path / name).read_bytes()

@@ -44,7 +44,8 @@ from ..checkpoint import (
     locate_checkpoint,
     tensor_specs,
 )
-from ..checkpoint.tracker import HF_ASSETS, TOKENIZER_MODEL
+from ..checkpoint.tracker import HF_ASSETS, TIKTOKEN_MODEL, TOKENIZER_CONFIG, TOKENIZER_MODEL
+from ..data.tiktoken_tokenizer import is_tiktoken_file
 from ..checkpoint.integrity import write_manifest
 from . import dcp_io
 from .config import ConversionError, hf_config_from_model, model_config_from_dict, model_config_from_hf
@@ -319,6 +320,21 @@ def _hf_order(cfg: ModelConfig, maps: list[TensorMap]) -> list[str]:
     return order
 
 
+def _export_tokenizer(tokenizer: Optional[str], out: str) -> None:
+    """The tokenizer the checkpoint carries, under the name its kind is published with (the one
+    training saved wins over an imported HF copy): a SentencePiece `tokenizer.model`, or Kimi's
+    `tiktoken.model` with the `tokenizer_config.json` beside it."""
+    if tokenizer is None:
+        return
+    if not is_tiktoken_file(tokenizer):
+        shutil.copy2(tokenizer, os.path.join(out, TOKENIZER_MODEL))
+        return
+    shutil.copy2(tokenizer, os.path.join(out, TIKTOKEN_MODEL))
+    config = os.path.join(os.path.dirname(tokenizer), TOKENIZER_CONFIG)
+    if os.path.isfile(config):
+        shutil.copy2(config, os.path.join(out, TOKENIZER_CONFIG))
+
+
 def _int4_export_config(conversion: dict) -> dict:
     """The quantization_config `--export-int4` writes: the imported compressed-tensors one (Kimi's
     own groups and ignore list), else Kimi K2.5's scheme for the routed experts."""
@@ -456,9 +472,7 @@ def mcore_to_hf(
         assets = os.path.join(root, HF_ASSETS)
         if os.path.isdir(assets):
             _copy_assets(assets, tmp)
-        tokenizer = checkpoint_tokenizer(root)
-        if tokenizer is not None:  # the one training saved wins over an imported HF copy
-            shutil.copy2(tokenizer, os.path.join(tmp, TOKENIZER_MODEL))
+        _export_tokenizer(checkpoint_tokenizer(root), tmp)
         with tqdm(total=total, unit="B", unit_scale=True, desc="mcore->hf", disable=not progress) as bar:
             write_shards(tmp, shards, produce, on_bytes=bar.update)
         with open(os.path.join(tmp, "config.json"), "w") as f:
