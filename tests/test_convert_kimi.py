@@ -332,3 +332,30 @@ def test_the_tokenizer_travels_with_the_checkpoint(kimi, kimi_bf16, tmp_path):
     mcore_to_hf(str(trained), str(tmp_path / "back"), progress=False)
     for name in ("tiktoken.model", "tokenizer_config.json"):
         assert (tmp_path / "back" / name).read_bytes() == (path / name).read_bytes()
+
+
+def test_parallel_conversion_through_the_command_line_equals_serial(kimi, kimi_bf16, tmp_path, capsys):
+    """--workers 2 (spawned processes, one input / output shard each) gives the same checkpoint and
+    the same export as one process."""
+    from megatron_composer.checkpoint import load_tensors, tensor_specs
+    from tests.test_convert import _tool
+
+    path, _, _ = kimi
+    ours, back = kimi_bf16
+    convert = _tool("convert_checkpoint")
+    par, par_back = str(tmp_path / "mc"), str(tmp_path / "back")
+    assert convert.main(["--direction", "hf-to-mcore", "--load", str(path), "--save", par, "--dtype", "bf16",
+                         "--workers", "2", "--max-shard-size", "64KiB", "--no-progress"]) == 0
+    it_a, it_b = os.path.join(ours, "iter_0000000"), os.path.join(par, "iter_0000000")
+    specs = tensor_specs(it_a)
+    assert tensor_specs(it_b) == specs
+    a, b = load_tensors(it_a, specs), load_tensors(it_b, specs)
+    assert all(torch.equal(a[k], b[k]) for k in specs)
+    assert convert.main(["--direction", "mcore-to-hf", "--load", par, "--save", par_back, "--workers", "2",
+                         "--max-shard-size", "100KiB", "--no-progress"]) == 0
+    serial, parallel = read_all(back), read_all(par_back)
+    assert set(serial) == set(parallel) and all(torch.equal(serial[k], parallel[k]) for k in serial)
+    capsys.readouterr()
+    assert convert.main(["--direction", "hf-to-mcore", "--load", str(path), "--save", str(tmp_path / "x"),
+                         "--export-int4", "--no-progress"]) == 1
+    assert "--export-int4 is an option of --direction mcore-to-hf" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""Streaming reads and bounded writes of sharded HF safetensors checkpoints.
+"""Streaming reads of sharded HF safetensors checkpoints, and the shard plan of a write.
 
 `HFCheckpointReader` opens every shard with safetensors' `safe_open` in
 "pread" mode (no memory map, so reading a tensor costs that tensor's memory
@@ -9,22 +9,25 @@ by its published per-expert name, whatever the stored layout:
   published layout, and what transformers 5 `save_pretrained` writes);
 * fused 3-D `mlp.experts.gate_up_proj` [E, 2I, H] / `mlp.experts.down_proj`
   [E, H, I] (transformers 5's in-memory layout), sliced per expert;
-* FP8 weights with a `weight_scale_inv` partner, dequantized on read.
+* FP8 weights with a `weight_scale_inv` partner, dequantized on read;
+* INT4 weights stored as compressed-tensors `weight_packed` / `weight_scale` /
+  `weight_shape` (Kimi K2.5's routed experts), dequantized on read by
+  `int4.Int4Scheme`;
+* a multimodal wrapper's text tensors under a prefix (`language_model.`),
+  named without it; the tensors outside it are `other_keys`.
 
-`write_shards` writes tensors produced group by group into
-`model-XXXXX-of-YYYYY.safetensors` files of bounded size plus
-`model.safetensors.index.json`.
+`plan_shards` groups output tensors into `model-XXXXX-of-YYYYY.safetensors`
+files of bounded size (`export` writes them).
 """
 from __future__ import annotations
 
 import json
 import os
 import re
-from typing import Callable, Iterable, Optional
+from typing import Optional
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from .config import ConversionError
 from .fp8 import dequantize_fp8_blocks
@@ -266,32 +269,3 @@ def plan_shards(sizes: list[tuple[str, int]], max_shard_bytes: int) -> list[list
     if current:
         shards.append(current)
     return shards
-
-
-def write_shards(
-    out_dir: str,
-    shards: list[list[str]],
-    produce: Callable[[list[str]], Iterable[tuple[str, torch.Tensor]]],
-    on_bytes: Optional[Callable[[int], None]] = None,
-) -> dict[str, str]:
-    """Write each shard's tensors (from `produce(names)`) and the index; return the weight map.
-
-    Only one shard's tensors are alive at a time.
-    """
-    weight_map, total = {}, 0
-    for i, names in enumerate(shards):
-        tensors = dict(produce(names))
-        missing = set(names) - set(tensors)
-        if missing:
-            raise ConversionError(f"internal: shard {i} produced no {sorted(missing)[:3]}")
-        fname = shard_name(i, len(shards))
-        save_file(tensors, os.path.join(out_dir, fname), metadata={"format": "pt"})
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        total += nbytes
-        weight_map.update({name: fname for name in names})
-        del tensors
-        if on_bytes:
-            on_bytes(nbytes)
-    with open(os.path.join(out_dir, INDEX), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
-    return weight_map
