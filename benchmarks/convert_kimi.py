@@ -8,9 +8,11 @@ INT4 `weight_packed` / `weight_scale` / `weight_shape` with random codes,
 bf16 elsewhere, a vision stub), one input shard per layer like the
 published index, then times `hf_to_mcore` (INT4 dequantized to bf16) and
 `mcore_to_hf` (bf16, and `--export-int4`) at each worker count. Prints MB/s
-of checkpoint read (input) and written (output), and the time the same rate
-gives for Kimi K2.5's own sizes, computed from the `kimi-k2.5` preset's
-tensors (INT4 routed experts in, bf16 out).
+of checkpoint read (input) and written (output) per wall second and input MB
+per CPU second (the workers' included), and the time the CPU rate gives for
+Kimi K2.5's own sizes, computed from the `kimi-k2.5` preset's tensors (INT4
+routed experts in, bf16 out), on one core and on 32 (`--workers 32`, if the
+disks keep up: 2 TB of bf16 is written on import).
 """
 from __future__ import annotations
 
@@ -89,6 +91,12 @@ def write_synthetic(path: str, cfg) -> int:
     return total
 
 
+def _cpu_seconds() -> float:
+    """CPU time of this process and its finished children (the spawned workers)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 def _bytes_under(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
@@ -124,23 +132,24 @@ def main(argv=None) -> int:
                                                                   export_int4=True, max_shard_bytes=256 << 20,
                                                                   progress=False)),
             ):
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), _cpu_seconds()
                 fn(workers)
-                seconds = time.perf_counter() - start
-                rows.append((name, workers, seconds))
+                rows.append((name, workers, time.perf_counter() - start, _cpu_seconds() - cpu))
         sizes = {"hf->mcore (INT4 -> bf16)": (size_in, _bytes_under(os.path.join(scratch, "mc1"))),
                  "mcore->hf bf16": (_bytes_under(os.path.join(scratch, "mc1")), _bytes_under(os.path.join(scratch, "bf1"))),
                  "mcore->hf --export-int4": (_bytes_under(os.path.join(scratch, "mc1")),
                                              _bytes_under(os.path.join(scratch, "i41")))}
         published, bf16 = checkpoint_bytes(get_preset("kimi-k2.5"))
         print(f"Kimi K2.5 text model: {published / 1e9:.0f} GB published (INT4 experts), {bf16 / 1e9:.0f} GB bf16")
-        print(f"{'direction':26s} {'workers':>7s} {'s':>7s} {'MB/s in':>8s} {'MB/s out':>9s} {'1T projected':>13s}")
-        for name, workers, seconds in rows:
+        print(f"{'direction':26s} {'workers':>7s} {'wall s':>7s} {'CPU s':>6s} {'MB/s in':>8s} {'MB/s out':>9s} "
+              f"{'in MB/CPU-s':>11s} {'1T, 1 core':>10s} {'1T, 32 cores':>12s}")
+        for name, workers, seconds, cpu in rows:
             read, written = sizes[name]
-            rate_in = read / seconds
             full_in = published if name.startswith("hf->") else bf16
-            print(f"{name:26s} {workers:7d} {seconds:7.1f} {rate_in / 1e6:8.1f} {written / seconds / 1e6:9.1f} "
-                  f"{full_in / rate_in / 3600:11.1f} h")
+            per_cpu = read / cpu
+            print(f"{name:26s} {workers:7d} {seconds:7.1f} {cpu:6.1f} {read / seconds / 1e6:8.1f} "
+                  f"{written / seconds / 1e6:9.1f} {per_cpu / 1e6:11.1f} {full_in / per_cpu / 3600:8.1f} h "
+                  f"{full_in / per_cpu / 32 / 3600:10.1f} h")
     finally:
         if not args.dir:
             shutil.rmtree(scratch, ignore_errors=True)

@@ -43,8 +43,9 @@ compressed_tensors = pytest.importorskip(
 
 PREFIX = "language_model."
 # Kimi K2.5's text backbone in miniature: one dense layer, no expert groups, top-2 of 8.
+# Its vocabulary: the small tokenizer's 360 base tokens and Kimi's 256 named special ids.
 KIMI_TEXT = dict(n_group=1, topk_group=1, num_experts_per_tok=2, routed_scaling_factor=2.827,
-                 rope_scaling=YARN, moe_intermediate_size=32)
+                 rope_scaling=YARN, moe_intermediate_size=32, vocab_size=360 + 256)
 INT4_CONFIG = {  # the published scheme (Kimi K2-Thinking / K2.5 config.json)
     "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
     "kv_cache_scheme": None,
@@ -138,7 +139,7 @@ def write_kimi(path, seed=0, int4=True, quant=None, **overrides):
     }
     (path / "config.json").write_text(json.dumps(config, indent=1))
     (path / "configuration_kimi_k25.py").write_text("# remote code travels with the weights\n")
-    write_kimi_tokenizer(path)
+    assert write_kimi_tokenizer(path, vocab=360) == 360
     return model, vision
 
 
@@ -231,38 +232,76 @@ def test_export_restores_the_layout_and_reimports_bit_exact(kimi, kimi_bf16, tmp
         assert torch.equal(value, exported[key]) and value.dtype == exported[key].dtype, key
 
 
+def check_ct_packing(exported, bf16, experts):
+    """Every INT4 expert of `exported` is compressed-tensors' quantization and packing of the bf16
+    weight with the exported scales, and no group's scale is worse than its min-max observer's.
+    Returns the relative Frobenius error of the INT4 weights against the bf16 ones."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils.helpers import compute_dynamic_scales_and_zp
+
+    scheme = _scheme()
+    compressor = BaseCompressor.get_value_from_registry("pack-quantized")
+    num = den = 0.0
+    for key in experts:
+        module, weight = key[: -len(".weight")], bf16[key]
+        got = {p: exported[f"{module}.{p}"] for p in ("weight_packed", "weight_scale", "weight_shape")}
+        want = compressor.compress({"weight": weight, "weight_scale": got["weight_scale"]}, scheme)
+        for part in got:
+            assert got[part].dtype == want[part].dtype and torch.equal(got[part], want[part]), (module, part)
+        assert key not in exported
+        minmax, zero = compute_dynamic_scales_and_zp(weight, scheme.weights, module=None)
+
+        def group_error(scale):
+            diff = fake_quantize(weight, scale, zero, scheme.weights).float() - weight.float()
+            return diff.pow(2).unflatten(-1, (-1, 32)).sum(-1)
+
+        assert (group_error(got["weight_scale"]) <= group_error(minmax)).all(), module
+        dequantized = compressor.decompress(got, scheme)["weight"].float()
+        num += (dequantized - weight.float()).pow(2).sum().item()
+        den += weight.float().pow(2).sum().item()
+    return (num / den) ** 0.5
+
+
 @needs_transformers
 def test_export_int4_is_compressed_tensors_own_packing(kimi, kimi_bf16, tmp_path):
+    """An unchanged import comes back as the published INT4, bit for bit; the export is read by
+    compressed-tensors like the published checkpoint; off-grid weights (a model that trained away
+    from the grid: here a bf16 source) are packed by compressed-tensors with scales no worse than
+    its min-max observer's."""
     path, _, vision = kimi
     ours, back = kimi_bf16
     int4 = str(tmp_path / "int4")
     mcore_to_hf(ours, int4, progress=False, export_int4=True)
     config = json.load(open(os.path.join(int4, "config.json")))
     assert config["text_config"]["quantization_config"] == INT4_CONFIG
-    exported, bf16 = read_all(int4), read_all(back)
+    exported, bf16, source = read_all(int4), read_all(back), read_all(path)
     experts = [k for k in bf16 if ".mlp.experts." in k]
     assert len(experts) == 1 * 8 * 3
-    for key in experts:
-        module = key[: -len(".weight")]
-        want = ct_pack(bf16[key])
-        for part in ("weight_packed", "weight_scale", "weight_shape"):
-            got = exported[f"{module}.{part}"]
-            assert got.dtype == want[part].dtype and torch.equal(got, want[part]), (module, part)
-        assert key not in exported
-    for key, tensor in bf16.items():
-        if key not in experts:
-            assert torch.equal(exported[key], tensor), key
-    for key, tensor in vision.items():
+    assert set(exported) == set(source)
+    for key, tensor in source.items():  # the published INT4 and the vision parts back, bit for bit
+        if ".mlp.experts." in key or key in vision:
+            assert exported[key].dtype == tensor.dtype and torch.equal(exported[key], tensor), key
+        else:  # the source's fp32 text tensors, as imported in bf16
+            assert torch.equal(exported[key], bf16[key]), key
+    assert check_ct_packing(exported, bf16, experts) == 0.0
+    assert set(ct_dequantize(int4)) == set(ct_dequantize(path))
+
+    plain = tmp_path / "plain"  # bf16 experts: nowhere near an INT4 grid
+    write_kimi(plain, seed=3, int4=False)
+    hf_to_mcore(str(plain), str(tmp_path / "mc"), dtype=torch.bfloat16, progress=False)
+    mcore_to_hf(str(tmp_path / "mc"), str(tmp_path / "int4b"), progress=False, export_int4=True)
+    config = json.load(open(tmp_path / "int4b" / "config.json"))
+    assert config["text_config"]["quantization_config"]["format"] == "pack-quantized"
+    exported, source = read_all(tmp_path / "int4b"), read_all(plain)
+    experts = [k for k in source if ".mlp.experts." in k]
+    error = check_ct_packing(exported, {k: v.bfloat16() for k, v in source.items()}, experts)
+    assert 0.05 < error < 0.12, error  # int4 with 32-element groups on Gaussian weights (README)
+    reference = ct_dequantize(tmp_path / "int4b")  # compressed-tensors reads it; only the experts were packed
+    assert {k for k in exported if k.endswith(".weight_packed")} == {k[:-len("weight")] + "weight_packed" for k in experts}
+    assert all(not k.endswith(".weight_packed") for k in reference)
+    for key, tensor in vision_stub(3).items():
         assert _sha(exported[key]) == _sha(tensor)
-    # compressed-tensors reads the export back as a quantized checkpoint like the published one
-    dequantized = ct_dequantize(int4)
-    original = ct_dequantize(path)
-    assert set(dequantized) == set(original)
-    # The error --export-int4 adds (README): re-quantizing the dequantized published weights
-    # with fresh min-max scales moves some values by a fraction of one step.
-    errors = [(dequantized[k].float() - original[k].float()).abs().max() / original[k].float().abs().max()
-              for k in dequantized if ".mlp.experts." in k]
-    assert 0 < max(errors) < 0.1
 
 
 def test_unsupported_quantization_method_is_named(tmp_path):
@@ -359,3 +398,33 @@ def test_parallel_conversion_through_the_command_line_equals_serial(kimi, kimi_b
     assert convert.main(["--direction", "hf-to-mcore", "--load", str(path), "--save", str(tmp_path / "x"),
                          "--export-int4", "--no-progress"]) == 1
     assert "--export-int4 is an option of --direction mcore-to-hf" in capsys.readouterr().err
+
+
+def test_the_server_chats_in_kimis_template(kimi, kimi_bf16):
+    """The OpenAI server on the imported checkpoint with the tokenizer it carries: the prompt is Kimi's
+    chat template, the turn stops at <|im_end|>."""
+    import httpx
+
+    from megatron_composer.checkpoint import checkpoint_tokenizer
+    from megatron_composer.inference.engine import Engine
+    from megatron_composer.inference.server import create_app
+    from tests.serving import serve
+    from tests.test_kimi_tokenizer import reference_encoding
+
+    path, _, _ = kimi
+    ours, _ = kimi_bf16
+    engine = Engine.from_checkpoint(ours, tokenizer=checkpoint_tokenizer(ours), max_batch_size=2, max_model_len=128)
+    try:
+        with serve(create_app(engine, model_name="k25")) as url:
+            r = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+                "model": "k25", "max_tokens": 4, "temperature": 0,
+                "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def f():"}]})
+    finally:
+        engine.stop()
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    ref = reference_encoding(path, 360)
+    want = ref.encode("<|im_system|>system<|im_middle|>Be brief.<|im_end|><|im_user|>user<|im_middle|>def f():"
+                      "<|im_end|><|im_assistant|>assistant<|im_middle|>", allowed_special="all")
+    assert choice["prompt_token_ids"] == want
+    assert len(choice["token_ids"]) == 4 or choice["token_ids"][-1] in (360 + 1, 360 + 2)

@@ -16,10 +16,11 @@ targets, `ignore`) and how (`weights`: num_bits, group_size, symmetric).
 The `compressed-tensors` library is the reference for both directions, not
 an unpacking of ours: import calls its `PackedQuantizationCompressor.
 decompress` (value = int4 * scale, formed in the scale's dtype, which is what
-vLLM and SGLang compute), and `--export-int4` computes scales with its
-`calculate_qparams` (min-max, symmetric: scale = max |w| / 7.5 per group) and
-packs with its `compress`. Re-quantizing is lossy; see `quantize` and the
-README for the error it adds.
+vLLM and SGLang compute), and `--export-int4` chooses each group's scale by
+the library's own quantize-dequantize (its min-max observer's scale and the
+scales that put the group's largest value on the grid, `Int4Scheme.quantize`)
+and packs with its `compress`. An unchanged import comes back bit for bit;
+weights a run moved off the grid are rounded (the README gives the error).
 
 The library is imported on first use, so a checkpoint without INT4 weights
 never needs it.
@@ -127,24 +128,55 @@ class Int4Scheme:
     def quantize(self, module: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         """{weight_packed, weight_scale, weight_shape} of `weight` [out, in] for `module`.
 
-        Scales come from compressed-tensors' `calculate_qparams` on each group's
-        min and max (its min-max observer), in `weight`'s dtype, and the values
-        are quantized and packed by its `compress`. Kimi trained its INT4
-        quantization-aware, so the bf16 weights of a continued run are near,
-        not on, that grid: this rounding is the error `--export-int4` adds.
+        The scale of each group is the candidate whose round trip through
+        compressed-tensors' own quantize-dequantize (`fake_quantize`) is
+        closest to the group: its min-max observer's (`calculate_qparams`:
+        max |w| / 7.5), max |w| / 7 and max |w| / 8 (the group's largest value
+        on code +7 or -8), and the neighbouring values of those two in the
+        scale's dtype. Weights still on an INT4 grid (an untrained import of
+        Kimi's QAT checkpoint) get their published scales and codes back
+        exactly, which min-max alone never does (it shrinks every group by
+        7 / 7.5); weights off the grid get the smallest error of the
+        candidates. Values are then quantized and packed by compressed-
+        tensors' `compress`. Scales are in `weight`'s dtype, as the library's
+        observer makes them.
         """
         BaseCompressor, _, calculate_qparams, _ = _library()
+        from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+
         scheme = self.scheme_for(module)
-        group = int(scheme.weights.group_size)
+        args = scheme.weights
+        group = int(args.group_size)
         rows, cols = weight.shape
         if cols % group:
             raise ConversionError(f"{module}: {cols} input columns are not a multiple of the INT4 group "
                                   f"size {group}; export it without --export-int4")
         groups = weight.unflatten(-1, (cols // group, group))
-        scale, zero = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights)
+        minmax, zero = calculate_qparams(groups.amin(-1), groups.amax(-1), args)
+        top = groups.float().abs().amax(-1)
+        candidates = [minmax]
+        for largest in (2 ** (args.num_bits - 1) - 1, 2 ** (args.num_bits - 1)):
+            candidates += _with_neighbours((top / largest).to(minmax.dtype))
+        errors = []
+        for scale in candidates:
+            valid = torch.isfinite(scale) & (scale > 0)
+            scale = torch.where(valid, scale, minmax)
+            fq = fake_quantize(weight, scale, zero, args)
+            error = (fq.float() - weight.float()).pow(2).unflatten(-1, (cols // group, group)).sum(-1)
+            errors.append(torch.where(valid, error, torch.inf))
+        best = torch.stack(errors).argmin(0)
+        scale = torch.stack([torch.where(torch.isfinite(c) & (c > 0), c, minmax) for c in candidates])
+        scale = scale.gather(0, best[None])[0].contiguous()
         state = {"weight": weight, SCALE: scale, "weight_zero_point": zero}
         out = BaseCompressor.get_value_from_registry(FORMAT).compress(state, scheme)
         return {PACKED: out[PACKED], SCALE: out[SCALE], SHAPE: out[SHAPE]}
+
+
+def _with_neighbours(scale: torch.Tensor) -> list[torch.Tensor]:
+    """`scale` and the next representable values below and above it in its dtype."""
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[scale.element_size()]
+    raw = scale.view(bits)
+    return [scale, (raw - 1).view(scale.dtype), (raw + 1).view(scale.dtype)]
 
 
 def parse_int4_config(quant: dict) -> Int4Scheme:
