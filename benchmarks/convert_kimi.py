@@ -135,10 +135,10 @@ def main(argv=None) -> int:
                 start, cpu = time.perf_counter(), _cpu_seconds()
                 fn(workers)
                 rows.append((name, workers, time.perf_counter() - start, _cpu_seconds() - cpu))
-        sizes = {"hf->mcore (INT4 -> bf16)": (size_in, _bytes_under(os.path.join(scratch, "mc1"))),
-                 "mcore->hf bf16": (_bytes_under(os.path.join(scratch, "mc1")), _bytes_under(os.path.join(scratch, "bf1"))),
-                 "mcore->hf --export-int4": (_bytes_under(os.path.join(scratch, "mc1")),
-                                             _bytes_under(os.path.join(scratch, "i41")))}
+        ours = _bytes_under(os.path.join(scratch, "mc1"))
+        sizes = {"hf->mcore (INT4 -> bf16)": (size_in, ours),
+                 "mcore->hf bf16": (ours, _bytes_under(os.path.join(scratch, "bf1"))),
+                 "mcore->hf --export-int4": (ours, _bytes_under(os.path.join(scratch, "i41")))}
         published, bf16 = checkpoint_bytes(get_preset("kimi-k2.5"))
         print(f"Kimi K2.5 text model: {published / 1e9:.0f} GB published (INT4 experts), {bf16 / 1e9:.0f} GB bf16")
         print(f"{'direction':26s} {'workers':>7s} {'wall s':>7s} {'CPU s':>6s} {'MB/s in':>8s} {'MB/s out':>9s} "

@@ -298,7 +298,8 @@ def test_export_int4_is_compressed_tensors_own_packing(kimi, kimi_bf16, tmp_path
     error = check_ct_packing(exported, {k: v.bfloat16() for k, v in source.items()}, experts)
     assert 0.05 < error < 0.12, error  # int4 with 32-element groups on Gaussian weights (README)
     reference = ct_dequantize(tmp_path / "int4b")  # compressed-tensors reads it; only the experts were packed
-    assert {k for k in exported if k.endswith(".weight_packed")} == {k[:-len("weight")] + "weight_packed" for k in experts}
+    packed = {k for k in exported if k.endswith(".weight_packed")}
+    assert packed == {k[: -len("weight")] + "weight_packed" for k in experts}
     assert all(not k.endswith(".weight_packed") for k in reference)
     for key, tensor in vision_stub(3).items():
         assert _sha(exported[key]) == _sha(tensor)

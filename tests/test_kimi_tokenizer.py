@@ -64,8 +64,15 @@ def write_kimi_tokenizer(path, vocab=360):
 
 def reference_encoding(path, base):
     """tiktoken's own loader and Encoding, with the specials at Kimi's ids."""
-    os.environ["TIKTOKEN_CACHE_DIR"] = ""  # no path-keyed cache between tests
-    ranks = tiktoken.load.load_tiktoken_bpe(str(path / "tiktoken.model"))
+    saved = os.environ.get("TIKTOKEN_CACHE_DIR")
+    os.environ["TIKTOKEN_CACHE_DIR"] = ""  # tiktoken caches files by path; tests reuse paths
+    try:
+        ranks = tiktoken.load.load_tiktoken_bpe(str(path / "tiktoken.model"))
+    finally:
+        if saved is None:
+            del os.environ["TIKTOKEN_CACHE_DIR"]
+        else:
+            os.environ["TIKTOKEN_CACHE_DIR"] = saved
     specials = {KIMI_SPECIALS.get(i, f"<|reserved_token_{base + i}|>"): base + i for i in range(258)}
     return tiktoken.Encoding("kimi-reference", pat_str=KIMI_PATTERN, mergeable_ranks=ranks, special_tokens=specials)
 

@@ -198,9 +198,9 @@ def parse_int4_config(quant: dict) -> Int4Scheme:
         w = group.weights
         where = f"quantization_config.config_groups.{name}.weights"
         if w is None or w.type != "int" or not w.symmetric or w.strategy != "group" or not w.group_size:
-            raise ConversionError(
-                f"{where} = {None if w is None else w.model_dump(include={'type', 'symmetric', 'strategy', 'group_size'})}: "
-                "only symmetric int weights with per-group scales (Kimi's INT4) are dequantized on import")
+            shown = None if w is None else w.model_dump(include={"type", "symmetric", "strategy", "group_size"})
+            raise ConversionError(f"{where} = {shown}: only symmetric int weights with per-group scales "
+                                  "(Kimi's INT4) are dequantized on import")
         if w.num_bits != 4:
             raise ConversionError(f"{where}.num_bits={w.num_bits}: only int4 is dequantized on import")
         if group.input_activations is not None:
