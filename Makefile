@@ -8,7 +8,7 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed
 
-.PHONY: setup bubblewrap demo demo-cpt test test-gpu doctor bench bench-gpu clean vllm-env
+.PHONY: setup compressed-tensors bubblewrap demo demo-cpt test test-gpu doctor bench bench-gpu clean vllm-env
 
 setup: bubblewrap $(STAMP)
 
@@ -33,7 +33,15 @@ $(STAMP): setup.py
 	$(PY) -m pip install --quiet --upgrade pip
 	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install --quiet torch==2.13.0; fi
 	$(PY) -m pip install --quiet -e '.[test,rl]'
+	$(MAKE) --no-print-directory compressed-tensors
 	touch $(STAMP)
+
+# Kimi K2.5's INT4 experts (convert/int4.py): without its dependencies, which setup.py's [test]
+# extra lists, so its `torch>=2.10` never replaces the torch installed above. It needs Python 3.11.
+compressed-tensors:
+	@if $(PY) -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then \
+	    $(PY) -m pip install --quiet --no-deps 'compressed-tensors>=0.20'; \
+	else echo "compressed-tensors needs Python >= 3.11: Kimi K2.5 INT4 conversion and its tests are skipped"; fi
 
 # about 10 minutes on 2 CPU cores; the report is runs/demo/report.md
 demo: bubblewrap $(STAMP)

@@ -51,13 +51,17 @@ setup(
         "matplotlib",  # PNG plots in run directories (RL reward curve)
         "pyflakes",  # rl/agentic_rewards.py: the style reward term
         "rapidfuzz",  # eval/edits.py: character-level edit distance (state tracking)
+        "tiktoken",  # data/tiktoken_tokenizer.py: Kimi K2.5's tokenizer, read without remote code
     ],
     extras_require={
         # triton: the quantization kernels' tests run through its CPU interpreter; CUDA builds of
         # torch already ship a triton, which this leaves as it is.
         # pytest-xdist: `make test` runs the suite on two workers
+        # loguru, psutil: what compressed-tensors (Kimi K2.5's INT4 experts, convert/int4.py) imports
+        # besides torch, transformers and pydantic. compressed-tensors itself is installed by
+        # `make setup` with --no-deps: its `torch>=2.10` would otherwise replace the torch here.
         "test": ["pytest", "pytest-xdist", "transformers", "triton>=3.0; platform_system == 'Linux'",
-                 "openai", "schemathesis", "hypothesis", "httpx", "ray"],
+                 "openai", "schemathesis", "hypothesis", "httpx", "ray", "loguru", "psutil"],
         # megatron-core 0.16.1 declares 2.9 - 2.11; newer releases (current NGC containers) are kept,
         # and the doctor notes them. Never the PyPI package named `apex`: it is an unrelated project.
         "gpu": ["transformer-engine[pytorch]>=2.9", "pyyaml"],

@@ -18,6 +18,9 @@ class CharTokenizer:
     pad = 0
     vocab_size = OFFSET + 0x110000
 
+    def role_ids(self, role: str) -> list[int]:
+        return [SPECIALS[role]]
+
     def encode(self, text: str) -> list[int]:
         return [OFFSET + ord(c) for c in text]
 

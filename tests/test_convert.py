@@ -383,7 +383,8 @@ def test_published_deepseek_v3_config_is_our_preset():
     ({"rope_scaling": dict(PUBLISHED_DEEPSEEK_V3["rope_scaling"], mscale=0)}, "rope_scaling.mscale"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"moe_layer_freq": 2}, "moe_layer_freq"),
-    ({"quantization_config": {"quant_method": "compressed-tensors"}}, "quantization_config.quant_method"),
+    ({"quantization_config": {"quant_method": "awq", "bits": 4}}, "quantization_config.quant_method='awq'"),
+    ({"quantization_config": {"quant_method": "compressed-tensors"}}, "quantization_config.format=None"),
     ({"topk_method": "group_limited_greedy"}, "topk_method"),
     ({"model_type": "deepseek_v32"}, "model_type"),
 ])
@@ -453,22 +454,58 @@ def test_unexpected_tensor_is_an_error(small_hf, tmp_path):
 
 
 @needs_transformers
-def test_interrupted_conversion_leaves_no_output(small_hf, tmp_path, monkeypatch):
-    from megatron_composer.convert import safetensors_io
+def test_interrupted_conversion_resumes(small_hf, tmp_path, monkeypatch):
+    """A conversion stopped after its first input shard leaves no OUT, only OUT.partial; the
+    same command then converts the remaining shards only and gives what an uninterrupted run
+    gives. So does an export stopped after its first output shard."""
+    from megatron_composer.checkpoint import load_tensors, tensor_specs
+    from megatron_composer.convert import export, hf
 
-    calls = {"n": 0}
-    real = safetensors_io.HFCheckpointReader.get
+    def stop_after_first(module, name):
+        real, calls = getattr(module, name), []
 
-    def flaky(self, name):
-        calls["n"] += 1
-        if calls["n"] == 10:
-            raise OSError("disk full")
-        return real(self, name)
+        def flaky(*args):
+            calls.append(args)
+            if len(calls) == 2:
+                raise OSError("disk full")
+            return real(*args)
 
-    monkeypatch.setattr(safetensors_io.HFCheckpointReader, "get", flaky)
+        monkeypatch.setattr(module, name, flaky)
+        return calls
+
+    def count_calls(module, name):
+        real, calls = getattr(module, name), []
+        monkeypatch.setattr(module, name, lambda *args: (calls.append(args), real(*args))[1])
+        return calls
+
+    stop_after_first(hf, "_import_shard")
+    out = str(tmp_path / "out")
     with pytest.raises(OSError, match="disk full"):
-        hf_to_mcore(str(small_hf), str(tmp_path / "out"), progress=False)
-    assert os.listdir(tmp_path) == []
+        hf_to_mcore(str(small_hf), out, progress=False, max_file_bytes=64 << 10)
+    assert sorted(os.listdir(tmp_path)) == ["out.partial"]
+    monkeypatch.undo()
+    rerun = count_calls(hf, "_import_shard")
+    hf_to_mcore(str(small_hf), out, progress=False, max_file_bytes=64 << 10)
+    monkeypatch.undo()
+    uninterrupted = count_calls(hf, "_import_shard")
+    fresh = str(tmp_path / "fresh")
+    hf_to_mcore(str(small_hf), fresh, progress=False, max_file_bytes=64 << 10)
+    assert len(uninterrupted) >= 2 and len(rerun) == len(uninterrupted) - 1  # the finished shard was kept
+    it_a, it_b = os.path.join(out, "iter_0000000"), os.path.join(fresh, "iter_0000000")
+    specs = tensor_specs(it_a)
+    assert specs == tensor_specs(it_b)
+    a, b = load_tensors(it_a, specs), load_tensors(it_b, specs)
+    assert all(torch.equal(a[k], b[k]) for k in specs)
+    assert sorted(os.listdir(tmp_path)) == ["fresh", "out"]
+
+    monkeypatch.undo()
+    stop_after_first(export, "_export_shard")
+    back = str(tmp_path / "back")
+    with pytest.raises(OSError, match="disk full"):
+        mcore_to_hf(out, back, progress=False, max_shard_bytes=100 << 10)
+    monkeypatch.undo()
+    mcore_to_hf(out, back, progress=False, max_shard_bytes=100 << 10)
+    assert_same_tensors(read_all(small_hf), read_all(back))
 
 
 @needs_transformers

@@ -364,6 +364,31 @@ def test_convert_recipe_runs_at_tiny_scale(cpt_32k, tmp_path):
     assert out.returncode == 0 and "already converted" in out.stdout and not [c for c in calls if c[0] == "srun"]
 
 
+def test_convert_recipe_converts_a_kimi_k25_directory(tmp_path):
+    """The recipe on Kimi-K2.5's published layout (wrapper config, language_model.* tensors, INT4 routed
+    experts, vision tower, tiktoken tokenizer): in, then out with INT4=1 (the serving format)."""
+    pytest.importorskip("compressed_tensors")
+    pytest.importorskip("transformers")
+    from tests.test_convert_kimi import read_all, write_kimi
+
+    write_kimi(tmp_path / "k25")
+    launcher, argv = recipe_command("convert.sbatch", tmp_path, LOAD=tmp_path / "k25", WORKERS=1)
+    assert argv[argv.index("--workers") + 1] == "1" and "--export-int4" not in argv
+    run_entry("convert_checkpoint.py", argv)
+    base = tmp_path / "ckpt" / "base"
+    assert _tracked_iteration(base) == "0"
+    assert (base / "hf_multimodal" / "manifest.json").exists() and (base / "hf_assets" / "tiktoken.model").exists()
+    _, argv = recipe_command("convert.sbatch", tmp_path / "out", DIRECTION="mcore-to-hf", LOAD=base,
+                             SAVE=tmp_path / "export", INT4=1, WORKERS=1)
+    assert "--export-int4" in argv
+    run_entry("convert_checkpoint.py", argv)
+    exported = read_all(tmp_path / "export")
+    assert any(k.endswith(".mlp.experts.0.gate_proj.weight_packed") for k in exported)
+    assert any(k.startswith("vision_tower.") for k in exported)
+    _, default = recipe_command("convert.sbatch", tmp_path / "cpus", LOAD=tmp_path / "k25")  # 16 CPUs / 4
+    assert default[default.index("--workers") + 1] == "4"
+
+
 # ---- 5. the RL recipe's layout fits the planner ------------------------------------------------------
 def _sbatch_option(name: str, option: str) -> int:
     """An integer `#SBATCH --option=N` of a recipe."""

@@ -32,7 +32,9 @@ def parse_args(argv=None):
         "--extensions", nargs="+", default=[".py"], help="suffixes searched for in input directories"
     )
     parser.add_argument("--json-key", default="text", help="JSONL field holding the text")
-    parser.add_argument("--tokenizer-model", required=True, help="from tools/train_tokenizer.py")
+    parser.add_argument("--tokenizer-model", required=True,
+                        help="from tools/train_tokenizer.py, or Kimi K2.5's tiktoken.model "
+                             "(with its tokenizer_config.json beside it)")
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
     parser.add_argument("--workers", type=int, default=1, help="tokenizer threads")
     return parser.parse_args(argv)

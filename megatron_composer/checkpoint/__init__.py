@@ -30,6 +30,8 @@ from .state import (
     optimizer_state_dict,
 )
 from .tracker import (
+    TIKTOKEN_MODEL,
+    TOKENIZER_CONFIG,
     TOKENIZER_MODEL,
     TRACKER,
     CheckpointError,
@@ -45,6 +47,8 @@ from .tracker import (
 )
 
 __all__ = [
+    "TIKTOKEN_MODEL",
+    "TOKENIZER_CONFIG",
     "TOKENIZER_MODEL",
     "TRACKER",
     "CheckpointError",

@@ -36,6 +36,8 @@ TRACKER = "latest_checkpointed_iteration.txt"
 META = "meta.json"
 DCP_METADATA = ".metadata"
 TOKENIZER_MODEL = "tokenizer.model"
+TIKTOKEN_MODEL = "tiktoken.model"  # Kimi K2.5's tokenizer, as its HF checkpoint names it
+TOKENIZER_CONFIG = "tokenizer_config.json"  # its special tokens; travels with a tokenizer model beside it
 HF_ASSETS = "hf_assets"  # a converted HF checkpoint's non-weight files (its tokenizer among them)
 TMP_SUFFIX = ".tmp"
 OLD_SUFFIX = ".old"
@@ -43,7 +45,8 @@ _ITER_DIR = re.compile(r"^iter_(\d+)$")
 OVERWRITTEN_PREFIX = "overwritten-"  # earlier runs moved aside by --overwrite-save (`guard.py`)
 _STALE = re.compile(r"^iter_(\d+)\.(tmp|old)$")
 # what a killed first save may leave in ROOT besides iter_N.tmp
-_FIRST_SAVE_DEBRIS = (TRACKER + TMP_SUFFIX, TOKENIZER_MODEL, TOKENIZER_MODEL + TMP_SUFFIX)
+_FIRST_SAVE_DEBRIS = (TRACKER + TMP_SUFFIX, TOKENIZER_MODEL, TOKENIZER_MODEL + TMP_SUFFIX,
+                      TOKENIZER_CONFIG, TOKENIZER_CONFIG + TMP_SUFFIX)
 
 
 class CheckpointError(Exception):
@@ -182,11 +185,13 @@ def locate_checkpoint(path: str, iteration: Optional[int] = None) -> CheckpointL
 def checkpoint_tokenizer(path: str) -> Optional[str]:
     """The tokenizer model a checkpoint carries, or None: `ROOT/tokenizer.model` (copied there
     by the first save of a training run), else the one a checkpoint converted from Hugging Face
-    brought in `ROOT/hf_assets/`. `path` is a root or one of its iteration dirs."""
+    brought in `ROOT/hf_assets/` (a SentencePiece `tokenizer.model` or Kimi's `tiktoken.model`).
+    `path` is a root or one of its iteration dirs."""
     if not path or not os.path.isdir(path):
         return None
     root = os.path.dirname(os.path.abspath(path)) if os.path.isfile(os.path.join(path, META)) else path
-    for candidate in (os.path.join(root, TOKENIZER_MODEL), os.path.join(root, HF_ASSETS, TOKENIZER_MODEL)):
+    for candidate in (os.path.join(root, TOKENIZER_MODEL), os.path.join(root, HF_ASSETS, TOKENIZER_MODEL),
+                      os.path.join(root, HF_ASSETS, TIKTOKEN_MODEL)):
         if os.path.isfile(candidate):
             return candidate
     return None
@@ -264,21 +269,30 @@ def write_file_atomic(path: str, data: bytes) -> None:
 
 
 def copy_tokenizer(root: str, source: str) -> bool:
-    """Put the tokenizer model `source` at ROOT/tokenizer.model (atomic); a copy already there
-    with the same bytes is kept. Returns whether it wrote."""
-    try:
-        with open(source, "rb") as f:
-            data = f.read()
-    except OSError as exc:
-        raise CheckpointError(f"cannot read the tokenizer model {source} to store it with the checkpoint "
-                              f"({exc}); give an existing --tokenizer-model") from None
-    target = os.path.join(root, TOKENIZER_MODEL)
-    if os.path.isfile(target):
-        with open(target, "rb") as f:
-            if f.read() == data:
-                return False
-    write_file_atomic(target, data)
-    return True
+    """Put the tokenizer model `source` at ROOT/tokenizer.model (atomic), and the
+    tokenizer_config.json beside it, if any, at ROOT/tokenizer_config.json (Kimi's tiktoken
+    tokenizer names its special tokens there); a copy already there with the same bytes is
+    kept. Returns whether it wrote."""
+    wrote = False
+    companion = os.path.join(os.path.dirname(os.path.abspath(source)), TOKENIZER_CONFIG)
+    for src, name in ((source, TOKENIZER_MODEL), (companion, TOKENIZER_CONFIG)):
+        if name == TOKENIZER_CONFIG and not os.path.isfile(src):
+            continue
+        try:
+            with open(src, "rb") as f:
+                data = f.read()
+        except OSError as exc:
+            kind = "model" if name == TOKENIZER_MODEL else "config"
+            raise CheckpointError(f"cannot read the tokenizer {kind} {src} to store it with the checkpoint "
+                                  f"({exc}); give an existing --tokenizer-model") from None
+        target = os.path.join(root, name)
+        if os.path.isfile(target):
+            with open(target, "rb") as f:
+                if f.read() == data:
+                    continue
+        write_file_atomic(target, data)
+        wrote = True
+    return wrote
 
 
 def write_tracker(root: str, iteration: int) -> None:
@@ -323,7 +337,7 @@ def remove_stale_local(root: str) -> list[str]:
             removed.append(path)
         elif m:
             removed += restore_or_drop_old(root, int(m.group(1)))
-    for name in (TRACKER + TMP_SUFFIX, TOKENIZER_MODEL + TMP_SUFFIX):
+    for name in (TRACKER + TMP_SUFFIX, TOKENIZER_MODEL + TMP_SUFFIX, TOKENIZER_CONFIG + TMP_SUFFIX):
         path = os.path.join(root, name)
         if os.path.exists(path):
             os.remove(path)

@@ -14,7 +14,8 @@ one `models/`'s (`load_checkpoint_model`).
 """
 from .config import ConversionError, hf_config_from_model, model_config_from_dict, model_config_from_hf
 from .fp8 import dequantize_fp8_blocks, quantize_fp8_blocks
-from .hf import hf_to_mcore, mcore_to_hf
+from .export import mcore_to_hf
+from .hf import hf_to_mcore
 from .keys import TensorMap, hf_state_dict, mtp_shared_copies, permute_rope_rows, tensor_maps
 from .logits import checkpoint_logits
 

@@ -115,8 +115,8 @@ def _check_supported(hf: dict) -> None:
         raise ConversionError(f"model_type={hf['model_type']!r}; this converter reads the DeepSeek-V3 "
                               f"architecture ({', '.join(_MODEL_TYPES)})")
     if "text_config" in hf:
-        raise ConversionError("config has a text_config (a multimodal wrapper such as Kimi-K2.5); "
-                              "convert the language model's config and weights on their own")
+        raise ConversionError("config has a text_config (a multimodal wrapper such as Kimi-K2.5); map its "
+                              "text_config (hf_to_mcore reads the wrapper and its language_model. tensors)")
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
                 "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                 "intermediate_size"):

@@ -1,14 +1,17 @@
-"""Convert between HF DeepSeek-V3 / Kimi-K2 checkpoints and megatron-composer's.
+"""Convert between HF DeepSeek-V3 / Kimi-K2 / Kimi-K2.5 checkpoints and megatron-composer's.
 
     hf_to_mcore(hf_dir, out_dir)     published safetensors -> our DCP checkpoint
-    mcore_to_hf(ckpt_dir, out_dir)   our DCP checkpoint -> published safetensors
+    mcore_to_hf(ckpt_dir, out_dir)   our DCP checkpoint -> published safetensors (`export`)
 
-Both stream: HF tensors are read one at a time (`HFCheckpointReader`), our
-checkpoint is written file by file (`dcp_io.save_lazily`) and read back in
-groups of one output shard (`checkpoint.load_tensors`), so memory stays around
-one output file / shard whatever the model size. Both write into a
-temporary sibling directory and rename it into place at the end; an
-interrupted run leaves `OUT.tmp-PID` behind, never a partial `OUT`.
+Both stream and both are split into independent jobs (`jobs`): import runs
+one job per input shard, reading its tensors one at a time
+(`HFCheckpointReader`) and writing them as a DCP part in files of bounded
+size (`dcp_io.save_lazily`); the parts are merged into one checkpoint at the
+end. Export runs one job per output shard, reading that shard's tensors back
+(`checkpoint.load_tensors`). Memory stays around `workers` output files
+whatever the model size; `workers` processes run jobs in parallel; a killed
+run leaves `OUT.partial/`, which the same command resumes, never a partial
+`OUT`.
 
 Our checkpoint stores global tensor names (experts by global index), so it
 has no expert-parallel layout to choose: `expert_model_parallel_size` is
@@ -16,9 +19,11 @@ only checked (num_experts divisible by it) and recorded in meta.json, and
 training loads the checkpoint under any EP size.
 
 Round trip HF -> ours -> HF reproduces every tensor bit for bit (same
-dtype), except FP8 checkpoints, whose weights come back dequantized (in
-`fp8_dtype`) and without `weight_scale_inv`, and fused-expert checkpoints,
-which come back per expert (the published layout).
+dtype), except FP8 and INT4 checkpoints, whose weights come back dequantized
+(FP8 in `fp8_dtype`, INT4 in its scales' dtype) unless exported with
+`export_int4`, and fused-expert checkpoints, which come back per expert (the
+published layout). Kimi K2.5's multimodal wrapper (`multimodal`) comes back
+as it was: the vision tower and projector byte for byte.
 """
 from __future__ import annotations
 
@@ -26,8 +31,6 @@ import json
 import os
 import shutil
 import sys
-from collections import Counter
-from contextlib import contextmanager
 from dataclasses import asdict
 from typing import Optional
 
@@ -35,21 +38,17 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from ..config.model import ModelConfig
-from ..checkpoint import (
-    TRACKER,
-    checkpoint_tokenizer,
-    iteration_dir,
-    load_tensors,
-    locate_checkpoint,
-    tensor_specs,
-)
-from ..checkpoint.tracker import HF_ASSETS, TOKENIZER_MODEL
+from ..checkpoint import TRACKER, iteration_dir
 from ..checkpoint.integrity import write_manifest
+from ..checkpoint.tracker import HF_ASSETS
+from ..config.model import ModelConfig
 from . import dcp_io
-from .config import ConversionError, hf_config_from_model, model_config_from_dict, model_config_from_hf
-from .keys import TensorMap, hf_part, mtp_shared_copies, permute_rope_rows, tensor_maps
-from .safetensors_io import INDEX, HFCheckpointReader, plan_shards, write_shards
+from .config import ConversionError, model_config_from_hf
+from .int4 import METHOD as INT4_METHOD
+from .jobs import ResumableOutput, file_fingerprint, merge_parts, report_bytes, run_jobs
+from .keys import TensorMap, mtp_shared_copies, permute_rope_rows, tensor_maps
+from .multimodal import MULTIMODAL_DIR, keep_aside, read_source_config
+from .safetensors_io import INDEX, HFCheckpointReader
 
 _WEIGHT_FILES = (INDEX, "config.json")
 _IGNORED_HF = (".rotary_emb.inv_freq",)
@@ -58,34 +57,6 @@ _COMPARE_ROWS = 8192
 
 def _log(msg: str) -> None:
     print(f"[convert] {msg}", file=sys.stderr, flush=True)
-
-
-def _check_destination(final: str, overwrite: bool) -> None:
-    if os.path.exists(final) and (not os.path.isdir(final) or os.listdir(final)) and not overwrite:
-        raise ConversionError(f"--save {final} exists and is not empty; choose a new directory "
-                              "or pass --overwrite")
-
-
-@contextmanager
-def _atomic_output_dir(final: str, overwrite: bool):
-    """Yield a temporary directory that becomes `final` only on success."""
-    final = os.path.abspath(final)
-    _check_destination(final, overwrite)
-    tmp = f"{final}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if os.path.exists(final):
-        old = f"{final}.old-{os.getpid()}"
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, final)
 
 
 def _single_process() -> None:
@@ -99,19 +70,6 @@ def _read_json(path: str) -> dict:
         raise ConversionError(f"missing {path}")
     with open(path) as f:
         return json.load(f)
-
-
-def _fp8_block(hf: dict) -> tuple[int, int]:
-    quant = hf.get("quantization_config")
-    if not quant:
-        return (128, 128)
-    method = quant.get("quant_method")
-    if method != "fp8" or quant.get("fmt", "e4m3") != "e4m3":
-        raise ConversionError(
-            f"quantization_config.quant_method={method!r} fmt={quant.get('fmt')!r}: only DeepSeek's "
-            "block-scaled fp8 (e4m3) weights are dequantized on import"
-        )
-    return tuple(quant.get("weight_block_size") or (128, 128))
 
 
 def _mtp_layers_present(keys, num_layers: int) -> int:
@@ -216,6 +174,41 @@ def _plan_import(reader: HFCheckpointReader, hf: dict, ep: int) -> tuple[ModelCo
     return cfg, maps, dtypes
 
 
+def _open_reader(load_dir: str, full_config: dict, fp8_dtype: torch.dtype):
+    source = read_source_config(full_config)
+    return source, HFCheckpointReader(load_dir, source.fp8_block(), fp8_dtype, prefix=source.prefix,
+                                      int4=source.int4)
+
+
+def _import_shard(load_dir: str, full_config: dict, fp8_dtype: torch.dtype, dtype: Optional[torch.dtype],
+                  cfg: ModelConfig, maps: list[TensorMap], specs: dict, interleaved: bool, part_dir: str,
+                  max_file_bytes: int) -> dict:
+    """One import job: the megatron tensors `maps` (those whose first HF tensor lies in one input
+    shard) as a DCP checkpoint at `part_dir`. Runs in a worker process."""
+    shutil.rmtree(part_dir, ignore_errors=True)  # debris of a killed attempt
+    _, reader = _open_reader(load_dir, full_config, fp8_dtype)
+    by_name = {m.mcore: m for m in maps}
+    with reader:
+        dcp_io.save_lazily(part_dir, specs, lambda name: _mcore_tensor(reader, by_name[name], cfg, interleaved, dtype),
+                           max_file_bytes, on_tensor=report_bytes)
+    return {"bytes": sum(torch.Size(s).numel() * d.itemsize for s, d in specs.values())}
+
+
+def _keep_aside_job(load_dir: str, full_config: dict, keys: list[str], root: str, max_file_bytes: int) -> dict:
+    shutil.rmtree(os.path.join(root, MULTIMODAL_DIR), ignore_errors=True)
+    _, reader = _open_reader(load_dir, full_config, torch.bfloat16)
+    with reader:
+        keep_aside(reader, keys, root, max_file_bytes)
+    return {"bytes": 0}
+
+
+def _source_files(load_dir: str, reader: HFCheckpointReader) -> list[str]:
+    names = ["config.json", *sorted(set(reader.weight_map.values()))]
+    if os.path.exists(os.path.join(load_dir, INDEX)):
+        names.append(INDEX)
+    return [os.path.join(load_dir, n) for n in names]
+
+
 def hf_to_mcore(
     load_dir: str,
     save_dir: str,
@@ -225,8 +218,9 @@ def hf_to_mcore(
     max_file_bytes: int = 2 << 30,
     overwrite: bool = False,
     progress: bool = True,
+    workers: int = 1,
 ) -> ModelConfig:
-    """Convert an HF DeepSeek-V3 / Kimi-K2 checkpoint directory into our format.
+    """Convert an HF DeepSeek-V3 / Kimi-K2 / Kimi-K2.5 checkpoint directory into our format.
 
     Args:
         load_dir: holds config.json and model.safetensors(.index.json) shards.
@@ -234,152 +228,75 @@ def hf_to_mcore(
         expert_model_parallel_size: checked and recorded only (see module doc).
         dtype: cast every tensor to this dtype (None: keep the stored dtypes).
         fp8_dtype: dtype of dequantized FP8 weights (when `dtype` is None).
-        max_file_bytes: bound on one DCP data file, hence on peak memory.
+        max_file_bytes: bound on one DCP data file, hence on peak memory (per worker).
+        workers: processes converting input shards in parallel.
     Returns:
         The ModelConfig stored in the checkpoint's meta.json.
     """
     _single_process()
-    _check_destination(save_dir, overwrite)
-    hf = _read_json(os.path.join(load_dir, "config.json"))
-    with HFCheckpointReader(load_dir, _fp8_block(hf), fp8_dtype) as reader:
+    full = _read_json(os.path.join(load_dir, "config.json"))
+    source, reader = _open_reader(load_dir, full, fp8_dtype)
+    hf = source.text
+    with reader:
+        if source.wrapper and not reader.keys:
+            raise ConversionError(f"config.json has a text_config but no tensor of {load_dir} starts with "
+                                  f"{source.prefix!r}; the text model's weights must be stored under it")
         cfg, maps, dtypes = _plan_import(reader, hf, expert_model_parallel_size)
-        interleaved = bool(hf.get("rope_interleave", True))
-        by_name = {m.mcore: m for m in maps}
-        specs = {m.mcore: (m.mcore_shape, dtype or dtypes[m.mcore]) for m in maps}
-        total = sum(torch.Size(s).numel() * d.itemsize for s, d in specs.values())
-
-        def produce(name: str) -> torch.Tensor:
-            return _mcore_tensor(reader, by_name[name], cfg, interleaved, dtype)
-
-        meta = {
-            "iteration": 0,
-            "consumed_samples": 0,
-            "skipped_iterations": 0,
-            "has_optimizer": False,
-            "model_config": asdict(cfg),
-            "hf_config": hf,
-            "conversion": {
-                "source": os.path.abspath(load_dir),
-                "rope_interleave": interleaved,
-                "fp8_dequantized": "quantization_config" in hf,
-                "fused_experts": reader.fused_experts,
-            },
-            "args": {"expert_model_parallel_size": expert_model_parallel_size},
-        }
-        with _atomic_output_dir(save_dir, overwrite) as tmp:
-            it_dir = iteration_dir(tmp, 0)
-            with tqdm(total=total, unit="B", unit_scale=True, desc="hf->mcore", disable=not progress) as bar:
-                dcp_io.save_lazily(it_dir, specs, produce, max_file_bytes, on_tensor=bar.update)
-            with open(os.path.join(it_dir, "meta.json"), "w") as f:
-                json.dump(meta, f, indent=2, sort_keys=True, default=str)
-            write_manifest(it_dir)  # training verifies converted checkpoints like its own
-            with open(os.path.join(tmp, TRACKER), "w") as f:
-                f.write("0")
-            _copy_assets(load_dir, os.path.join(tmp, HF_ASSETS))
+        kept = reader.other_keys  # the vision tower and projector of a multimodal wrapper
+        by_shard: dict[str, list[TensorMap]] = {}
+        for m in maps:
+            by_shard.setdefault(reader.shard_of(m.hf[0]), []).append(m)
+        files = _source_files(load_dir, reader)
+        fused = reader.fused_experts
+    interleaved = bool(hf.get("rope_interleave", True))
+    specs = {m.mcore: (m.mcore_shape, dtype or dtypes[m.mcore]) for m in maps}
+    total = sum(torch.Size(s).numel() * d.itemsize for s, d in specs.values())
+    meta = {
+        "iteration": 0,
+        "consumed_samples": 0,
+        "skipped_iterations": 0,
+        "has_optimizer": False,
+        "model_config": asdict(cfg),
+        "hf_config": hf,
+        "conversion": {
+            "source": os.path.abspath(load_dir),
+            "rope_interleave": interleaved,
+            "fp8_dequantized": source.quant_method == "fp8",
+            "int4_dequantized": source.quant_method == INT4_METHOD,
+            "fused_experts": fused,
+            # a multimodal wrapper (Kimi K2.5): its config, and where the text model's
+            # quantization_config sat, for export
+            "hf_wrapper_config": full if source.wrapper else None,
+            "quantization_config": source.quant,
+            "quantization_location": source.quant_location,
+            "kept_aside_tensors": len(kept),
+        },
+        "args": {"expert_model_parallel_size": expert_model_parallel_size},
+    }
+    plan = {"direction": "hf-to-mcore", "source": os.path.abspath(load_dir), "files": file_fingerprint(files),
+            "dtype": dtype, "fp8_dtype": fp8_dtype, "max_file_bytes": max_file_bytes, "meta": meta}
+    with ResumableOutput(save_dir, plan, overwrite) as out:
+        parts = os.path.join(out.work, "parts")
+        jobs = {}
+        for i, (shard, shard_maps) in enumerate(sorted(by_shard.items())):
+            part_specs = {m.mcore: specs[m.mcore] for m in shard_maps}
+            jobs[f"part-{i:05d}"] = (load_dir, full, fp8_dtype, dtype, cfg, shard_maps, part_specs, interleaved,
+                                     os.path.join(parts, f"part-{i:05d}"), max_file_bytes)
+        with tqdm(total=total, unit="B", unit_scale=True, desc="hf->mcore", disable=not progress) as bar:
+            if kept:
+                run_jobs({"multimodal": (load_dir, full, kept, out.path, max_file_bytes)}, _keep_aside_job, out,
+                         1, bar)
+            run_jobs(jobs, _import_shard, out, workers, bar)
+        it_dir = iteration_dir(out.path, 0)
+        merge_parts([os.path.join(parts, name) for name in jobs], it_dir)
+        with open(os.path.join(it_dir, "meta.json"), "w") as f:
+            json.dump(meta, f, indent=2, sort_keys=True, default=str)
+        write_manifest(it_dir)  # training verifies converted checkpoints like its own
+        with open(os.path.join(out.path, TRACKER), "w") as f:
+            f.write("0")
+        _copy_assets(load_dir, os.path.join(out.path, HF_ASSETS))
+        out.publish()
     _log(f"wrote {save_dir}: {cfg.num_layers} layers, {cfg.num_experts} experts, "
-         f"{cfg.mtp_num_layers} MTP layer(s), {total / 2**30:.2f} GiB")
+         f"{cfg.mtp_num_layers} MTP layer(s), {total / 2**30:.2f} GiB"
+         + (f"; {len(kept)} vision tensor(s) kept aside unchanged" if kept else ""))
     return cfg
-
-
-def _check_stored(it_dir: str, maps: list[TensorMap], stored: dict) -> None:
-    for m in maps:
-        if m.mcore is None:
-            continue
-        if m.mcore not in stored:
-            raise ConversionError(f"{it_dir} lacks tensor {m.mcore} (expected shape {m.mcore_shape})")
-        if stored[m.mcore][0] != m.mcore_shape:
-            raise ConversionError(f"{m.mcore} has shape {stored[m.mcore][0]}; model_config implies "
-                                  f"{m.mcore_shape}")
-    unexpected = sorted(set(stored) - {m.mcore for m in maps})
-    if unexpected:
-        raise ConversionError(f"{it_dir} holds tensors the DeepSeek-V3 format has no place for, "
-                              f"e.g. {unexpected[:4]}")
-
-
-def _hf_order(cfg: ModelConfig, maps: list[TensorMap]) -> list[str]:
-    """HF tensor names in file order; MTP copies of embedding / head sit with
-    their layer, as DeepSeek publishes them."""
-    order = [n for m in maps for n in m.hf]
-    mtp = f"model.layers.{cfg.num_layers}."
-    start = next((i for i, n in enumerate(order) if n.startswith(mtp)), len(order))
-    order[start:start] = [copy for copy, _ in mtp_shared_copies(cfg)]
-    return order
-
-
-def mcore_to_hf(
-    load_dir: str,
-    save_dir: str,
-    iteration: Optional[int] = None,
-    dtype: Optional[torch.dtype] = None,
-    max_shard_bytes: int = 5 << 30,
-    overwrite: bool = False,
-    progress: bool = True,
-) -> dict:
-    """Convert our checkpoint into a sharded HF DeepSeek-V3 checkpoint; return its config.
-
-    Args:
-        load_dir: checkpoint root (latest iteration, or `iteration`) or an
-            iter_XXXXXXX directory.
-        dtype: cast every tensor (None: keep the stored dtypes).
-        max_shard_bytes: bound on one safetensors shard; peak memory is about
-            one shard plus its largest tensor.
-
-    The output also holds the imported HF checkpoint's non-weight files, if
-    any, and the tokenizer the checkpoint carries (`checkpoint.checkpoint_tokenizer`).
-    """
-    _single_process()
-    _check_destination(save_dir, overwrite)
-    root, _, it_dir, meta = locate_checkpoint(load_dir, iteration)
-    if "model_config" not in meta:
-        raise ConversionError(f"{it_dir}/meta.json has no model_config")
-    cfg = model_config_from_dict(meta["model_config"])
-    interleaved = bool(meta.get("conversion", {}).get("rope_interleave", True))
-    stored = tensor_specs(it_dir)
-    maps = tensor_maps(cfg)
-    _check_stored(it_dir, maps, stored)
-    copies = dict(mtp_shared_copies(cfg))
-    # HF name -> (its map, its part of the megatron tensor)
-    part = {name: (m, i) for m in maps for i, name in enumerate(m.hf)}
-    part.update({copy: part[main] for copy, main in copies.items()})
-
-    def out_dtype(name: str) -> torch.dtype:
-        m, _ = part[name]
-        return dtype or (stored[m.mcore][1] if m.mcore else torch.float32)
-
-    def nbytes(name: str) -> int:
-        m, i = part[name]
-        return torch.Size(m.shapes[i]).numel() * out_dtype(name).itemsize
-
-    hf = hf_config_from_model(cfg, meta.get("hf_config"), rope_interleave=interleaved,
-                              dtype=str(out_dtype("model.embed_tokens.weight")).replace("torch.", ""))
-    order = _hf_order(cfg, maps)
-    shards = plan_shards([(n, nbytes(n)) for n in order], max_shard_bytes)
-    total = sum(nbytes(n) for n in order)
-
-    def produce(names: list[str]):
-        uses = Counter(part[n][0].mcore for n in names)
-        uses.pop(None, None)
-        loaded = load_tensors(it_dir, {s: stored[s] for s in uses})
-        for name in names:
-            m, i = part[name]
-            # a zero e_score_correction_bias for a model without expert bias (m.mcore None)
-            tensor = hf_part(cfg, m, i, loaded.get(m.mcore), interleaved, out_dtype(name))
-            if m.mcore is not None:
-                uses[m.mcore] -= 1
-                if not uses[m.mcore]:
-                    del loaded[m.mcore]  # keeps the peak near one shard
-            yield name, tensor
-
-    with _atomic_output_dir(save_dir, overwrite) as tmp:
-        assets = os.path.join(root, HF_ASSETS)
-        if os.path.isdir(assets):
-            _copy_assets(assets, tmp)
-        tokenizer = checkpoint_tokenizer(root)
-        if tokenizer is not None:  # the one training saved wins over an imported HF copy
-            shutil.copy2(tokenizer, os.path.join(tmp, TOKENIZER_MODEL))
-        with tqdm(total=total, unit="B", unit_scale=True, desc="mcore->hf", disable=not progress) as bar:
-            write_shards(tmp, shards, produce, on_bytes=bar.update)
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(hf, f, indent=2, sort_keys=True)
-    _log(f"wrote {save_dir}: {len(shards)} shard(s), {total / 2**30:.2f} GiB")
-    return hf

@@ -1,4 +1,4 @@
-"""Streaming reads and bounded writes of sharded HF safetensors checkpoints.
+"""Streaming reads of sharded HF safetensors checkpoints, and the shard plan of a write.
 
 `HFCheckpointReader` opens every shard with safetensors' `safe_open` in
 "pread" mode (no memory map, so reading a tensor costs that tensor's memory
@@ -9,25 +9,29 @@ by its published per-expert name, whatever the stored layout:
   published layout, and what transformers 5 `save_pretrained` writes);
 * fused 3-D `mlp.experts.gate_up_proj` [E, 2I, H] / `mlp.experts.down_proj`
   [E, H, I] (transformers 5's in-memory layout), sliced per expert;
-* FP8 weights with a `weight_scale_inv` partner, dequantized on read.
+* FP8 weights with a `weight_scale_inv` partner, dequantized on read;
+* INT4 weights stored as compressed-tensors `weight_packed` / `weight_scale` /
+  `weight_shape` (Kimi K2.5's routed experts), dequantized on read by
+  `int4.Int4Scheme`;
+* a multimodal wrapper's text tensors under a prefix (`language_model.`),
+  named without it; the tensors outside it are `other_keys`.
 
-`write_shards` writes tensors produced group by group into
-`model-XXXXX-of-YYYYY.safetensors` files of bounded size plus
-`model.safetensors.index.json`.
+`plan_shards` groups output tensors into `model-XXXXX-of-YYYYY.safetensors`
+files of bounded size (`export` writes them).
 """
 from __future__ import annotations
 
 import json
 import os
 import re
-from typing import Callable, Iterable, Optional
+from typing import Optional
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from .config import ConversionError
 from .fp8 import dequantize_fp8_blocks
+from .int4 import PACKED, SCALE, SHAPE, Int4Scheme
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -51,10 +55,20 @@ def _open(path: str):
 class HFCheckpointReader:
     """Read-only view of an HF checkpoint directory, one tensor at a time."""
 
-    def __init__(self, path: str, fp8_block=(128, 128), fp8_dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, path: str, fp8_block=(128, 128), fp8_dtype: torch.dtype = torch.bfloat16,
+                 prefix: str = "", int4: Optional["Int4Scheme"] = None):
+        """
+        Args:
+            prefix: where the text model's tensors live (`language_model.` in Kimi K2.5);
+                names given to and returned by the reader are relative to it, and
+                `other_keys` are the stored tensors outside it (a vision tower).
+            int4: the parsed compressed-tensors config of INT4 weights, if any.
+        """
         self.path = path
         self.fp8_block = tuple(fp8_block)
         self.fp8_dtype = fp8_dtype
+        self.prefix = prefix
+        self.int4 = int4
         index = os.path.join(path, INDEX)
         if os.path.exists(index):
             with open(index) as f:
@@ -68,7 +82,14 @@ class HFCheckpointReader:
             if not os.path.exists(os.path.join(path, name)):
                 raise ConversionError(f"{INDEX} lists shard {name}, which is missing from {path}")
         self._files: dict[str, object] = {}
-        self.fused_experts = any(k.endswith(".mlp.experts.gate_up_proj") for k in self.weight_map)
+        # local (prefix-less) name -> stored name
+        self._local = {k[len(prefix):]: k for k in self.weight_map if k.startswith(prefix)}
+        self.other_keys = sorted(k for k in self.weight_map if not k.startswith(prefix))
+        self.fused_experts = any(k.endswith(".mlp.experts.gate_up_proj") for k in self._local)
+        packed = sorted(k for k in self._local if k.endswith("." + PACKED))
+        if packed and int4 is None:
+            raise ConversionError(f"{prefix}{packed[0]} is INT4 (compressed-tensors) but config.json has no "
+                                  "compressed-tensors quantization_config describing it")
 
     def __enter__(self):
         return self
@@ -81,33 +102,61 @@ class HFCheckpointReader:
             handle.__exit__(None, None, None)
         self._files.clear()
 
-    def _file(self, key: str):
-        name = self.weight_map[key]
-        if name not in self._files:
-            handle = _open(os.path.join(self.path, name))
+    def _handle(self, fname: str):
+        if fname not in self._files:
+            handle = _open(os.path.join(self.path, fname))
             handle.__enter__()
-            self._files[name] = handle
-        return self._files[name]
+            self._files[fname] = handle
+        return self._files[fname]
+
+    def _file(self, key: str):
+        return self._handle(self.weight_map[self._local[key]])
+
+    def stored_tensor(self, key: str) -> torch.Tensor:
+        """A stored tensor by its full name, as it is (no dequantization): for `other_keys`."""
+        return self._handle(self.weight_map[key]).get_tensor(key)
+
+    def _tensor(self, key: str) -> torch.Tensor:
+        return self._file(key).get_tensor(self._local[key])
+
+    def _slice(self, key: str):
+        return self._file(key).get_slice(self._local[key])
 
     @property
     def keys(self) -> set[str]:
-        return set(self.weight_map)
+        """The stored tensor names under `prefix`, without it."""
+        return set(self._local)
+
+    def shard_of(self, name: str) -> str:
+        """The file holding what `get(name)` reads first."""
+        return self.weight_map[self._local[self._stored(name)[0]]]
+
+    def _int4_module(self, name: str) -> Optional[str]:
+        if name.endswith(".weight") and name[: -len("weight")] + PACKED in self._local:
+            return name[: -len(".weight")]
+        return None
 
     def _stored(self, name: str) -> tuple[str, Optional[tuple]]:
         """(stored key, index into it) for a published per-expert name."""
-        if name in self.weight_map:
+        if name in self._local:
             return name, None
+        module = self._int4_module(name)
+        if module is not None:
+            return f"{module}.{PACKED}", ("int4",)
         m = _PER_EXPERT.match(name)
         if m and self.fused_experts:
             prefix, expert, proj = m.group(1), int(m.group(2)), m.group(3)
             key = prefix + ("down_proj" if proj == "down_proj" else "gate_up_proj")
-            if key in self.weight_map:
+            if key in self._local:
                 return key, (expert, proj)
-        raise ConversionError(f"{self.path} lacks tensor {name}")
+        raise ConversionError(f"{self.path} lacks tensor {self.prefix}{name}")
 
     def storage_keys(self, name: str) -> list[str]:
-        """The stored tensors `get(name)` reads (weight or fused tensor, FP8 scale)."""
-        key, _ = self._stored(name)
+        """The stored tensors `get(name)` reads (weight or fused tensor, FP8 scale, INT4 parts)."""
+        key, sub = self._stored(name)
+        if sub == ("int4",):
+            module = key[: -len(PACKED) - 1]
+            return [f"{module}.{part}" for part in (PACKED, SCALE, SHAPE)]
         scale = self._scale_key(key)
         return [key, scale] if scale else [key]
 
@@ -123,11 +172,22 @@ class HFCheckpointReader:
         return self._raw_shape_dtype(key)[0]
 
     def _raw_shape_dtype(self, key: str) -> tuple[tuple, torch.dtype]:
-        sl = self._file(key).get_slice(key)
+        sl = self._slice(key)
         return tuple(sl.get_shape()), _DTYPES[sl.get_dtype()]
+
+    def _int4_parts(self, key: str) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]:
+        module = key[: -len(PACKED) - 1]
+        for part in (SCALE, SHAPE):
+            if f"{module}.{part}" not in self._local:
+                raise ConversionError(f"{self.prefix}{key} has no {self.prefix}{module}.{part}; an INT4 "
+                                      f"weight is stored as {PACKED}, {SCALE} and {SHAPE}")
+        return (module, self._tensor(key), self._tensor(f"{module}.{SCALE}"),
+                self._tensor(f"{module}.{SHAPE}"))
 
     def shape(self, name: str) -> tuple:
         key, sub = self._stored(name)
+        if sub == ("int4",):
+            return tuple(int(x) for x in self._tensor(key[: -len(PACKED)] + SHAPE).tolist())
         shape, _ = self._raw_shape_dtype(key)
         if sub is None:
             return shape
@@ -139,7 +199,9 @@ class HFCheckpointReader:
         return (shape[1] // 2,) + shape[2:]
 
     def dtype(self, name: str) -> torch.dtype:
-        key, _ = self._stored(name)
+        key, sub = self._stored(name)
+        if sub == ("int4",):  # compressed-tensors dequantizes into the scale's dtype
+            return self._raw_shape_dtype(key[: -len(PACKED)] + SCALE)[1]
         _, dtype = self._raw_shape_dtype(key)
         if self._scale_key(key):
             return self.fp8_dtype
@@ -148,19 +210,21 @@ class HFCheckpointReader:
     def _scale_key(self, key: str) -> Optional[str]:
         if key.endswith(".weight"):
             scale = key[: -len("weight")] + _SCALE
-            if scale in self.weight_map:
+            if scale in self._local:
                 return scale
         return None
 
     def get(self, name: str) -> torch.Tensor:
-        """The tensor published as `name` (dequantized when stored as FP8)."""
+        """The tensor published as `name` (dequantized when stored as FP8 or INT4)."""
         key, sub = self._stored(name)
-        handle = self._file(key)
+        if sub == ("int4",):
+            module, packed, scale, shape = self._int4_parts(key)
+            return self.int4.dequantize(self.prefix + module, packed, scale, shape).contiguous()
         if sub is None:
-            tensor = handle.get_tensor(key)
+            tensor = self._tensor(key)
         else:
             expert, proj = sub
-            sl = handle.get_slice(key)
+            sl = self._slice(key)
             rows = sl.get_shape()[1]
             if proj == "gate_proj":
                 tensor = sl[expert:expert + 1, : rows // 2][0]
@@ -172,10 +236,11 @@ class HFCheckpointReader:
         if scale_key:
             if tensor.dtype != torch.float8_e4m3fn:
                 raise ConversionError(f"{key} has a {_SCALE} but dtype {tensor.dtype}; expected float8_e4m3fn")
-            scale = self._file(scale_key).get_tensor(scale_key)
-            tensor = dequantize_fp8_blocks(tensor, scale, self.fp8_block, self.fp8_dtype, name=key)
+            scale = self._tensor(scale_key)
+            tensor = dequantize_fp8_blocks(tensor, scale, self.fp8_block, self.fp8_dtype, name=self.prefix + key)
         elif tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            raise ConversionError(f"{key} is {tensor.dtype} but the checkpoint has no {key[:-6]}{_SCALE}")
+            raise ConversionError(f"{self.prefix}{key} is {tensor.dtype} but the checkpoint has no "
+                                  f"{self.prefix}{key[:-6]}{_SCALE}")
         return tensor.contiguous()
 
     def rows(self, name: str, start: int, end: int) -> torch.Tensor:
@@ -183,7 +248,7 @@ class HFCheckpointReader:
         key, sub = self._stored(name)
         if sub is not None or self._scale_key(key):
             return self.get(name)[start:end]
-        return self._file(key).get_slice(key)[start:end]
+        return self._slice(key)[start:end]
 
 
 def shard_name(i: int, n: int) -> str:
@@ -204,32 +269,3 @@ def plan_shards(sizes: list[tuple[str, int]], max_shard_bytes: int) -> list[list
     if current:
         shards.append(current)
     return shards
-
-
-def write_shards(
-    out_dir: str,
-    shards: list[list[str]],
-    produce: Callable[[list[str]], Iterable[tuple[str, torch.Tensor]]],
-    on_bytes: Optional[Callable[[int], None]] = None,
-) -> dict[str, str]:
-    """Write each shard's tensors (from `produce(names)`) and the index; return the weight map.
-
-    Only one shard's tensors are alive at a time.
-    """
-    weight_map, total = {}, 0
-    for i, names in enumerate(shards):
-        tensors = dict(produce(names))
-        missing = set(names) - set(tensors)
-        if missing:
-            raise ConversionError(f"internal: shard {i} produced no {sorted(missing)[:3]}")
-        fname = shard_name(i, len(shards))
-        save_file(tensors, os.path.join(out_dir, fname), metadata={"format": "pt"})
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        total += nbytes
-        weight_map.update({name: fname for name in names})
-        del tensors
-        if on_bytes:
-            on_bytes(nbytes)
-    with open(os.path.join(out_dir, INDEX), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
-    return weight_map

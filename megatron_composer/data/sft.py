@@ -32,6 +32,9 @@ def render_chat(messages: Sequence[dict], tokenizer: Tokenizer, add_generation_p
     EOD. Targets are the assistant content tokens and the assistant's
     ``<|end|>`` (so the model learns to stop). With ``add_generation_prompt``
     the ids end with ``<|assistant|>`` instead of EOD, ready for generation.
+    The role opener is ``tokenizer.role_ids(role)``: one token for our
+    tokenizer, Kimi's ``<|im_role|>role<|im_middle|>`` header for its tiktoken
+    one (`tiktoken_tokenizer`).
 
     Returns:
         (ids: list[int], targets: list[bool]) of equal length.
@@ -44,10 +47,11 @@ def render_chat(messages: Sequence[dict], tokenizer: Tokenizer, add_generation_p
             raise ValueError(f"message role {role!r} is not one of {CHAT_ROLES}; use one of them")
         content = tokenizer.encode(message["content"])
         trained = role == "assistant"
-        ids += [tokenizer.chat[role], *content, tokenizer.chat["end"]]
-        targets += [False] + [trained] * len(content) + [trained]
+        opener = tokenizer.role_ids(role)
+        ids += [*opener, *content, tokenizer.chat["end"]]
+        targets += [False] * len(opener) + [trained] * len(content) + [trained]
     if add_generation_prompt:
-        ids.append(tokenizer.chat["assistant"])
+        ids += tokenizer.role_ids("assistant")
     else:
         ids.append(tokenizer.eod)
     targets.append(False)

@@ -45,6 +45,7 @@ from typing import Iterable, Sequence
 import sentencepiece as spm
 
 from megatron_composer.data.corpus import iter_texts
+from megatron_composer.data.tiktoken_tokenizer import TiktokenTokenizer, is_tiktoken_file
 
 PAD_PIECE = "<pad>"
 UNK_PIECE = "<unk>"
@@ -168,12 +169,21 @@ def train_tokenizer(
 class Tokenizer:
     """A trained code tokenizer: text <-> ids, plus the special ids the data pipeline needs.
 
+    `Tokenizer(path)` of a tiktoken ranks file (Kimi K2.5's `tiktoken.model`) returns a
+    `tiktoken_tokenizer.TiktokenTokenizer`, which has this interface, so every place that
+    loads the tokenizer a checkpoint carries takes either kind.
+
     Attributes:
         vocab_size: number of pieces (ids are ``0 .. vocab_size - 1``).
         eod: end-of-document id, appended to every pretraining document.
         pad: padding id (SFT padding; its labels are always masked).
         chat: ids of the chat tokens, keys ``system``, ``user``, ``assistant``, ``end``.
     """
+
+    def __new__(cls, model_path: str | Path | None = None):
+        if model_path is not None and is_tiktoken_file(model_path):
+            return TiktokenTokenizer(model_path)
+        return super().__new__(cls)
 
     def __init__(self, model_path: str | Path):
         self.model_path = Path(model_path)
@@ -196,6 +206,11 @@ class Tokenizer:
                 "megatron_composer; retrain it with `python tools/train_tokenizer.py`"
             )
         return index
+
+    def role_ids(self, role: str) -> list[int]:
+        """The ids that open a message of `role` ("system", "user", "assistant"): here its one
+        chat token."""
+        return [self.chat[role]]
 
     def encode(self, text: str) -> list[int]:
         return self._sp.encode(text)

@@ -18,6 +18,16 @@ served. The format, on top of `data.sft.render_chat`'s roles:
    ``<tool_response name="get_weather">...</tool_response>`` (one block per
    result; consecutive results share one turn).
 
+Kimi K2.5's own tool-call tokens are read as calls too, so the published
+model's native habit is understood before RL teaches it ours::
+
+    <|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>
+    {"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>
+
+is the call ``get_weather({"city": "Paris"})`` (the ``functions.`` prefix and
+the ``:index`` suffix of Kimi's call id are dropped; the section markers are
+removed from the content). `format_kimi_tool_call` writes one.
+
 `parse_tool_calls` never raises on model output: a malformed block stays in
 the text and is reported in ``errors``, worded so an environment can hand it
 back to the model. `messages_for_template` turns OpenAI chat messages
@@ -34,6 +44,12 @@ from typing import Any
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"
+KIMI_SECTION_OPEN = "<|tool_calls_section_begin|>"
+KIMI_SECTION_CLOSE = "<|tool_calls_section_end|>"
+KIMI_CALL_OPEN = "<|tool_call_begin|>"
+KIMI_ARGUMENTS = "<|tool_call_argument_begin|>"
+KIMI_CALL_CLOSE = "<|tool_call_end|>"
+_KIMI_CALL_ID = re.compile(r"^\s*(?:functions\.)?([A-Za-z0-9_.-]{1,64}?)(?::\d+)?\s*$")
 TOOL_NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _EXAMPLE_CALL = '<tool_call>{"name": "NAME", "arguments": {...}}</tool_call>'
 _WHITESPACE = re.compile(r"\s*")
@@ -110,6 +126,32 @@ def _decode_block(text: str, start: int) -> tuple[Any, int, str | None]:
     return None, close + len(CALL_CLOSE), problem
 
 
+def format_kimi_tool_call(name: str, arguments: dict, index: int = 0) -> str:
+    """Kimi K2.5's native spelling of one call (its id `functions.NAME:INDEX`), without the
+    section markers that enclose a reply's calls."""
+    format_tool_call(name, arguments)  # the same checks
+    payload = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+    return f"{KIMI_CALL_OPEN}functions.{name}:{index}{KIMI_ARGUMENTS}{payload}{KIMI_CALL_CLOSE}"
+
+
+def _decode_kimi_block(text: str, start: int) -> tuple[Any, int, str | None]:
+    """A Kimi-native call whose opening token ends at `start`, as `_decode_block` returns it."""
+    close = text.find(KIMI_CALL_CLOSE, start)
+    end = len(text) if close < 0 else close + len(KIMI_CALL_CLOSE)
+    if close < 0:
+        return None, end, f"no {KIMI_CALL_CLOSE} closes the call"
+    head, sep, arguments = text[start:close].partition(KIMI_ARGUMENTS)
+    match = _KIMI_CALL_ID.match(head)
+    if not sep or not match:
+        return None, end, f"the call id {head!r} is not functions.NAME:INDEX followed by {KIMI_ARGUMENTS}"
+    try:
+        value = _DECODER.decode(arguments.strip())
+    except (ValueError, RecursionError) as exc:
+        return None, end, f"the arguments are not valid JSON ({exc})"
+    call = {"name": match.group(1), "arguments": value}
+    return call, end, _check_call(call)
+
+
 @dataclasses.dataclass(frozen=True)
 class CallBlock:
     """Where one ``<tool_call>`` block lies in a text: ``text[start:end]``; `call` or `problem`."""
@@ -130,10 +172,15 @@ def tool_call_blocks(text: str) -> list[CallBlock]:
     blocks: list[CallBlock] = []
     position = 0
     while True:
-        start = text.find(CALL_OPEN, position)
-        if start < 0:
+        ours, kimi = text.find(CALL_OPEN, position), text.find(KIMI_CALL_OPEN, position)
+        if ours < 0 and kimi < 0:
             return blocks
-        value, end, problem = _decode_block(text, start + len(CALL_OPEN))
+        if kimi < 0 or 0 <= ours < kimi:
+            start = ours
+            value, end, problem = _decode_block(text, start + len(CALL_OPEN))
+        else:
+            start = kimi
+            value, end, problem = _decode_kimi_block(text, start + len(KIMI_CALL_OPEN))
         call = ToolCall(value["name"], value["arguments"]) if problem is None else None
         blocks.append(CallBlock(start, end, call, problem))
         position = end
@@ -162,7 +209,10 @@ def parse_tool_calls(text: str) -> tuple[str, list[ToolCall], list[str]]:
             kept.append(text[block.start:block.end])
         position = block.end
     kept.append(text[position:])
-    return "".join(kept).strip(), calls, errors
+    content = "".join(kept)
+    if calls and KIMI_SECTION_OPEN in content:
+        content = content.replace(KIMI_SECTION_OPEN, "").replace(KIMI_SECTION_CLOSE, "")
+    return content.strip(), calls, errors
 
 
 def render_tool_response(name: str, content: str) -> str:

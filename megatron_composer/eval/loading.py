@@ -14,7 +14,8 @@ The window (context) is, unless given, the sequence length the checkpoint
 was trained at (its meta.json), else the model's max_position_embeddings,
 at most 4096 on CPU. The tokenizer is `--tokenizer-model` (a sentencepiece
 `.model`, or a Hugging Face `tokenizer.json` read with the `tokenizers`
-library), else an HF directory's own `tokenizer.json`, else the sentencepiece
+library), else an HF directory's own `tokenizer.json` (or Kimi's `tiktoken.model`,
+`data.tiktoken_tokenizer`), else the sentencepiece
 `tokenizer.model` the checkpoint carries (`checkpoint.checkpoint_tokenizer`:
 ours saves it at its root, our HF export next to the weights), else the
 embedded corpus's tokenizer in the data cache.
@@ -97,6 +98,8 @@ def resolve_tokenizer(tokenizer_model: Optional[str], data_cache_dir: str, load:
         return Tokenizer(tokenizer_model)
     if load is not None and os.path.isfile(os.path.join(load, "tokenizer.json")):
         return HFTokenizer(os.path.join(load, "tokenizer.json"), _hf_eos(load))
+    if load is not None and os.path.isfile(os.path.join(load, "tiktoken.model")):  # Kimi K2.5's own
+        return Tokenizer(os.path.join(load, "tiktoken.model"))
     carried = checkpoint_tokenizer(load) if load is not None else None
     if carried is not None:
         return Tokenizer(carried)

@@ -477,7 +477,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--tokenizer-model", default=None,
-                        help="SentencePiece .model (text prompts, chat, stop); default: the checkpoint's own")
+                        help="SentencePiece .model or Kimi's tiktoken.model (text prompts, chat, stop); "
+                             "default: the checkpoint's own")
     parser.add_argument("--max-batch-size", type=int, default=16, help="requests decoding at once")
     parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,

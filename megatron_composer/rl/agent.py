@@ -262,7 +262,7 @@ class Agent:
         if len(body) > limit:
             note = self.tok.encode(_CUT_NOTE)
             body = body[:max(0, limit - len(note))] + note[:limit]
-        return [self.tok.chat["user"], *body, self.tok.chat["end"], self.tok.chat["assistant"]]
+        return [*self.tok.role_ids("user"), *body, self.tok.chat["end"], *self.tok.role_ids("assistant")]
 
     def _generate(self, ids: list[int], max_tokens: int, seed: int):
         cfg = self.config

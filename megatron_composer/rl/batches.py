@@ -65,7 +65,9 @@ class Hint:
 
     start, end: the message's ids are the sample's `completion_ids[start:end]`;
     note_ids: `<|role|> hint <|end|>`, inserted before the <|assistant|> that opens it
-    (`feedback.attach_hints` writes them).
+    (`feedback.attach_hints` writes them);
+    opener: how many ids that opening takes (`Tokenizer.role_ids("assistant")`: 1 for our
+    tokenizer, 3 for Kimi's `<|im_assistant|>assistant<|im_middle|>`).
     """
 
     rules: tuple
@@ -73,13 +75,15 @@ class Hint:
     start: int
     end: int
     note_ids: list
+    opener: int = 1
 
     def to_dict(self) -> dict:
         return plain_data(dataclasses.asdict(self), "a feedback hint")
 
     @classmethod
     def from_dict(cls, data: dict) -> "Hint":
-        return cls(tuple(data["rules"]), data["text"], data["start"], data["end"], list(data["note_ids"]))
+        return cls(tuple(data["rules"]), data["text"], data["start"], data["end"], list(data["note_ids"]),
+                   int(data.get("opener", 1)))
 
 
 @dataclass

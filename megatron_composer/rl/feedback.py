@@ -242,7 +242,7 @@ def note_ids(tokenizer, text: str, role: str = "user") -> list[int]:
     """The inserted note: <|role|> text <|end|> (one chat message, as `render_chat` writes it)."""
     if role not in HINT_ROLES:
         raise ValueError(f"--feedback-hint-role {role!r}; use one of {', '.join(HINT_ROLES)}")
-    return [tokenizer.chat[role], *tokenizer.encode(text), tokenizer.chat["end"]]
+    return [*tokenizer.role_ids(role), *tokenizer.encode(text), tokenizer.chat["end"]]
 
 
 def attach_hints(trajectory: Trajectory, samples: Sequence, rules: dict[str, Rule], tokenizer,
@@ -254,12 +254,13 @@ def attach_hints(trajectory: Trajectory, samples: Sequence, rules: dict[str, Rul
         if turn.end <= turn.start:
             continue  # an empty message has no tokens to distill
         sample = samples[turn.segment]
-        at = len(sample.prompt_ids) + turn.start - 1
-        if (sample.prompt_ids + sample.completion_ids)[at] != tokenizer.chat["assistant"]:
-            raise RuntimeError(f"internal: turn {index} does not follow an <|assistant|> token")
+        opener = tokenizer.role_ids("assistant")
+        at = len(sample.prompt_ids) + turn.start
+        if (sample.prompt_ids + sample.completion_ids)[at - len(opener):at] != opener:
+            raise RuntimeError(f"internal: turn {index} does not follow an <|assistant|> opening")
         text = "\n".join(hint for _, hint in fired)
         sample.hints.append(Hint(tuple(name for name, _ in fired), text, turn.start, turn.end,
-                                 note_ids(tokenizer, text, role)))
+                                 note_ids(tokenizer, text, role), len(opener)))
 
 
 def teacher_context(sample, hint: Hint) -> tuple[list[int], int]:
@@ -272,7 +273,8 @@ def teacher_context(sample, hint: Hint) -> tuple[list[int], int]:
     """
     ids = sample.prompt_ids + sample.completion_ids
     at = len(sample.prompt_ids) + hint.start - 1
-    teacher = ids[:at] + list(hint.note_ids) + ids[at:len(sample.prompt_ids) + hint.end]
+    before = at + 1 - hint.opener  # where the assistant's opening starts
+    teacher = ids[:before] + list(hint.note_ids) + ids[before:len(sample.prompt_ids) + hint.end]
     return teacher, at + len(hint.note_ids)
 
 
