@@ -50,7 +50,13 @@ def build_rl_parser():
                      "router replay, balanced packing.")
     d = _FlatDefaults()
     g = p.add_argument_group("reinforcement learning")
-    g.add_argument("--task", choices=sorted(TASKS), default=d.task)
+    g.add_argument("--task", choices=sorted(TASKS), default=None,
+                   help=f"the single-turn task (default: code-tests with --task-file, else {d.task})")
+    g.add_argument("--task-file", default=d.task_file,
+                   help="single-turn code tasks from a JSONL or parquet file, or a directory of shards "
+                        "(rl/tasks/task_files.py); implies --task code-tests")
+    g.add_argument("--task-format", choices=("jsonl", "humaneval", "mbpp"), default=d.task_format,
+                   help="the records' fields: jsonl (id, prompt, tests, entry_point), humaneval, mbpp")
     g.add_argument("--group-size", type=int, default=d.group_size, help="samples per prompt")
     g.add_argument("--prompts-per-step", type=int, default=d.prompts_per_step, help="groups per step")
     g.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
@@ -195,6 +201,8 @@ def parse_rl_args(argv: Optional[list[str]] = None) -> RLRunConfig:
     """train_rl.py's flags as an `RLRunConfig`; ValueError names a bad flag."""
     args = parse_args(argv, build_rl_parser())
     args.stage = "rl"
+    if args.task is None:
+        args.task = "code-tests" if args.task_file else _FlatDefaults().task
     for flag in ("max_inflight_groups", "trainer_ranks", "inference_workers", "env_workers"):
         value = getattr(args, flag)
         if value is not None and value < 1:

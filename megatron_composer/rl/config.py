@@ -126,6 +126,8 @@ class EnvironmentConfig:
     # "agentic-coding" (multi-turn tool use on --task-families; max_new_tokens per turn)
     name: str = "single-turn"
     task: str = "complete-function"
+    task_file: str = ""  # --task code-tests: a JSONL/parquet file or a directory of shards (tasks.task_files)
+    task_format: str = "jsonl"  # jsonl | humaneval | mbpp
     task_families: str = "write-file"
     max_turns: int = 6
     token_budget: Optional[int] = None  # generated tokens per trajectory (None: max_turns x max_new_tokens)
@@ -139,7 +141,20 @@ class EnvironmentConfig:
     def __post_init__(self):
         from .environments import environment_class
 
+        from .tasks import TASKS
+        from .tasks.task_files import FORMATS
+
         environment_class(self.name)
+        if self.task not in TASKS:
+            raise ValueError(f"--task {self.task!r}; use one of {', '.join(sorted(TASKS))}")
+        if self.task_format not in FORMATS:
+            raise ValueError(f"--task-format {self.task_format!r}; use one of {', '.join(FORMATS)}")
+        if (self.task == "code-tests") != bool(self.task_file):
+            raise ValueError(f"--task {self.task} with --task-file {self.task_file!r}: --task-file is read by "
+                             "--task code-tests and that task needs it; give both, or neither")
+        if self.task_file and self.name != "single-turn":
+            raise ValueError(f"--task-file holds single-turn tasks; --env {self.name} does not read it; use "
+                             "--env single-turn")
         _at_least(self, 1, "max_turns", "max_observation_tokens", "summary_max_tokens", "episode_workers")
         if self.token_budget is not None and self.token_budget < 1:
             raise ValueError(f"--token-budget {self.token_budget} must be >= 1")

@@ -106,9 +106,9 @@ class SingleTurnEnvironment(Environment):
     def __init__(self, rl, tokenizer, seq_length, **kwargs):
         super().__init__(rl, tokenizer, seq_length, **kwargs)
         from ..data.sft import render_chat
-        from .tasks import get_task
+        from .tasks import build_task
 
-        self.task = get_task(rl.environment.task)
+        self.task = build_task(rl.environment)
         for prompt in self.task.prompts():
             ids = render_chat(list(prompt.messages), tokenizer, add_generation_prompt=True)[0]
             if len(ids) <= self._room():
@@ -136,7 +136,9 @@ class SingleTurnEnvironment(Environment):
         return [completion_sample(group_id, i, out, tok, self.task, prompt) for i, out in enumerate(outs)]
 
     def describe(self):
-        return f"RL task {self.rl.environment.task}: {len(self.pool)} prompts"
+        described = getattr(self.task, "describe", None)
+        origin = f" ({described()})" if described else ""
+        return f"RL task {self.rl.environment.task}{origin}: {len(self.pool)} prompts"
 
 
 @register_environment("agentic-coding")
