@@ -97,6 +97,14 @@ def build_rl_parser():
     g.add_argument("--rl-micro-batch-tokens", dest="micro_batch_tokens", type=int, default=d.micro_batch_tokens,
                    help="packed tokens per training micro-batch")
     g.add_argument("--rollout-batch-size", type=int, default=d.rollout_batch_size, help="engine cache slots")
+    g.add_argument("--drop-zero-signal-groups", action="store_true", default=d.drop_zero_signal_groups,
+                   help="leave groups whose samples all got the same reward (zero advantage) out of packing "
+                        "and the forward/backward (rl/task_selection.py); they are counted every step either way")
+    g.add_argument("--task-selection", choices=("cycle", "solve-rate"), default=d.task_selection,
+                   help="cycle: the tasks in order; solve-rate: only tasks whose solve-rate estimate lies within "
+                        "--task-solve-rate-bounds (rl/task_selection.py; synchronous loop)")
+    g.add_argument("--task-solve-rate-bounds", default=d.task_solve_rate_bounds,
+                   help="LOW,HIGH of --task-selection solve-rate, e.g. 0.1,0.9")
 
     g = p.add_argument_group("rollouts through vLLM (--rollout-backend vllm)")
     g.add_argument("--rollout-backend", choices=ROLLOUT_BACKENDS, default=d.rollout_backend,
@@ -210,6 +218,9 @@ def parse_rl_args(argv: Optional[list[str]] = None) -> RLRunConfig:
     if args.max_policy_lag < 0 or args.group_timeout_s <= 0:
         raise ValueError(f"--max-policy-lag {args.max_policy_lag} must be >= 0 and --group-timeout-s "
                          f"{args.group_timeout_s} > 0")
+    if args.task_selection != "cycle" and (args.async_rl or args.ray_address is not None):
+        raise ValueError(f"--task-selection {args.task_selection} runs in the synchronous loop (its estimates "
+                         "follow each step's gathered groups); drop --async-rl, or use --task-selection cycle")
     if getattr(args, "eval_base_interval", 0):
         raise ValueError(f"--eval-base-interval {args.eval_base_interval} is a pretrain_cpt.py flag: RL measures "
                          "itself with --eval-tasks / --eval-interval; evaluate RL checkpoints with "

@@ -43,12 +43,18 @@ class RolloutConfig:
     eval_tasks: int = 0  # held-out tasks evaluated (greedy) before the first step, every eval_interval, at the end
     eval_interval: int = 0
     backend: str = "engine"  # --rollout-backend: one of ROLLOUT_BACKENDS
+    task_selection: str = "cycle"  # cycle: group g runs pool[g % len]; solve-rate: `task_selection`
+    task_solve_rate_bounds: str = "0.1,0.9"  # the solve-rate estimates a selected task lies within
 
     def __post_init__(self):
         from .policy_losses import check_rl_sampling
+        from .task_selection import SELECTIONS, parse_bounds
 
         if self.backend not in ROLLOUT_BACKENDS:
             raise ValueError(f"--rollout-backend {self.backend!r}; use one of {', '.join(ROLLOUT_BACKENDS)}")
+        if self.task_selection not in SELECTIONS:
+            raise ValueError(f"--task-selection {self.task_selection!r}; use one of {', '.join(SELECTIONS)}")
+        parse_bounds(self.task_solve_rate_bounds)
         _at_least(self, 1, "group_size", "prompts_per_step", "max_new_tokens", "rollout_batch_size")
         _at_least(self, 0, "eval_tasks", "eval_interval")
         # every backend returns full-vocabulary log-probs at T (`backends`): no truncation in RL
@@ -70,6 +76,7 @@ class AlgorithmConfig:
     router_replay: bool = True
     replay_plausibility_threshold: float = 0.0
     micro_batch_tokens: int = 2048  # packed tokens per micro-batch
+    drop_zero_signal_groups: bool = False  # leave groups whose samples share one reward out of the update
 
     def __post_init__(self):
         from .policy_losses import get_policy_loss
@@ -152,9 +159,6 @@ class EnvironmentConfig:
         if (self.task == "code-tests") != bool(self.task_file):
             raise ValueError(f"--task {self.task} with --task-file {self.task_file!r}: --task-file is read by "
                              "--task code-tests and that task needs it; give both, or neither")
-        if self.task_file and self.name != "single-turn":
-            raise ValueError(f"--task-file holds single-turn tasks; --env {self.name} does not read it; use "
-                             "--env single-turn")
         _at_least(self, 1, "max_turns", "max_observation_tokens", "summary_max_tokens", "episode_workers")
         if self.token_budget is not None and self.token_budget < 1:
             raise ValueError(f"--token-budget {self.token_budget} must be >= 1")

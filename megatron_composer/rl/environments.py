@@ -2,6 +2,7 @@
 
     env = build_environment(rl, tokenizer, seq_length)      # rl: RLConfig, split "train"
     env.pool                                   # the tasks that fit the context; group g runs pool[g % len]
+    env.assign_tasks({group_id: pool_index})   # or the pool entries a task selection chose
     env.run_group(backend, group_id, seeds)    # one group's scored samples (`batches.RolloutSample`)
     env.evaluate(backend, workers=...)         # greedy held-out episodes -> metrics, or None
 
@@ -70,6 +71,7 @@ class Environment:
         self.rl, self.tokenizer, self.seq_length = rl, tokenizer, seq_length
         self.split, self.count, self.long_tail = split, count, long_tail
         self.pool: list = []
+        self.assigned: dict[int, int] = {}  # group id -> pool index (`assign_tasks`)
 
     def set_feedback_rules(self, rules: Optional[dict]) -> None:
         """The textual-feedback rules whose hints this environment's samples carry (`feedback` only)."""
@@ -78,7 +80,15 @@ class Environment:
         return [sample_seed(seed, group_id, i, self.rl.rollout.group_size) for i in range(self.rl.rollout.group_size)]
 
     def task_of(self, group_id: int):
-        return self.pool[group_id % len(self.pool)]
+        return self.pool[self.assigned.get(group_id, group_id % len(self.pool))]
+
+    def task_key(self, index: int) -> str:
+        """A stable name of pool entry `index` (the solve-rate estimates' key)."""
+        return self.pool[index].key
+
+    def assign_tasks(self, assigned: dict[int, int]) -> None:
+        """Run group id g on pool[assigned[g]] (the step's task selection), instead of pool[g % len]."""
+        self.assigned = dict(assigned)
 
     def run_group(self, backend, group_id: int, seeds: list[int]) -> list[RolloutSample]:
         raise NotImplementedError
@@ -115,6 +125,9 @@ class SingleTurnEnvironment(Environment):
                 self.pool.append((prompt, ids))
         if not self.pool:
             raise self._no_fit(f"{rl.environment.task} prompt")
+
+    def task_key(self, index: int) -> str:
+        return self.pool[index][0].key
 
     def run_group(self, backend, group_id, seeds):
         rl, tok = self.rl, self.tokenizer
@@ -154,6 +167,9 @@ class AgenticEnvironment(Environment):
     def check(cls, rl) -> None:
         from .tasks.coding import FAMILIES
 
+        if rl.environment.task_file:
+            raise ValueError(f"--task-file holds single-turn tasks; --env {cls.name} does not read it; drop "
+                             "--task-file, or use the single-turn environment")
         unknown = [f for f in rl.environment.families if f not in FAMILIES]
         if unknown or not rl.environment.families:
             raise ValueError(f"--task-families {rl.environment.task_families!r}: unknown family "
