@@ -174,3 +174,46 @@ def test_hostile_completions_score_nothing_they_did_not_pass():
     assert run_code_tests(_task(tests="assert add(1, 2) == 3\nassert SECRET == []\n"), reads, 10.0) == (2, 2)
     raises = "raise SystemExit(0)\n"
     assert run_code_tests(_task(), raises, 10.0) == (0, 4)
+
+
+# ---- held-out evaluation (--eval-task-file) --------------------------------------------------------------
+class _AnswerBackend:
+    """Answers each prompt by the task it names: greedy (temperature 0) and the k samples (by seed order)."""
+
+    def __init__(self, tokenizer, answers):
+        self.tok, self.answers = tokenizer, answers
+
+    def generate(self, prompts, params):
+        from megatron_composer.inference.params import Completion
+
+        (prompt,) = prompts
+        text = self.tok.decode(prompt)
+        greedy, sampled = next(v for k, v in self.answers.items() if f"`{k}(" in text)
+        answer = greedy if params.temperature == 0 else sampled[params.seed % 2]
+        ids = self.tok.encode(f"```python\n{answer}```") + [self.tok.chat["end"]]
+        return [Completion(list(prompt), ids, [-0.5] * len(ids), [-0.5] * len(ids), None, [0] * len(ids), "stop")]
+
+
+def test_held_out_pass_at_1_and_pass_at_k_by_hand():
+    from megatron_composer.rl.config import RLConfig
+    from megatron_composer.rl.environments import build_environment
+    from megatron_composer.rl.rollout import sample_seed
+    from tests.agent_fakes import CharTokenizer
+
+    wrong, add_ok = "def add(a, b):\n    return a - b\n", "def add(a, b):\n    return a + b\n"
+    clamp_ok = "def clamp(x, lo, hi):\n    return max(lo, min(hi, x))\n"
+    # the two pass@k samples of task i are seeded sample_seed(0, i, j, 2); the backend picks by seed parity
+    assert [sample_seed(0, 0, j, 2) % 2 for j in range(2)] == [0, 1]
+    answers = {"add": (wrong, (wrong, add_ok)), "clamp": (clamp_ok, (clamp_ok, clamp_ok)),
+               "is_palindrome": ("pass\n", ("pass\n", "pass\n")), "word_counts": ("pass\n", ("pass\n", "pass\n"))}
+    rl = RLConfig.from_flat(eval_task_file=str(EXAMPLE_TASKS), eval_pass_k=2, max_new_tokens=400, sandbox_timeout_s=5.0)
+    tok = CharTokenizer()
+    env = build_environment(rl, tok, 4096, split="eval")
+    row = env.evaluate(_AnswerBackend(tok, answers), workers=4)
+    # greedy: clamp passes (1 of 4), add scores 1/4 of its asserts; sampled: add's second and clamp's pass
+    assert row == {"eval pass@1": 0.25, "eval correctness": (0.25 + 1.0) / 4, "eval solved": 0.25,
+                   "eval pass@k": 0.5, "eval tasks": 4.0}
+    halves = [env.evaluate(_AnswerBackend(tok, answers), workers=2, shard=(r, 2)) for r in range(2)]
+    assert [h["eval tasks"] for h in halves] == [2.0, 2.0]  # add, word_counts | is_palindrome, clamp
+    train = build_environment(rl.replace(task="code-tests", task_file=str(EXAMPLE_TASKS)), tok, 4096)
+    assert train.evaluate(None, workers=1) is None  # the training pool has no held-out evaluation

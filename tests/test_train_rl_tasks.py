@@ -1,5 +1,6 @@
 """train_rl.py end to end on tasks from a file: sandboxed scoring, the zero-signal count and solve-rate
-selection logged every step, and the estimates continued by a resume (needs bubblewrap, as test_sandbox)."""
+selection logged every step, the estimates continued by a resume, and the held-out evaluation of
+--eval-task-file (needs bubblewrap, as test_sandbox)."""
 import json
 import os
 
@@ -16,6 +17,7 @@ def test_task_file_with_solve_rate_selection_saves_and_resumes(data_dir, tmp_pat
               "--group-size", "2", "--prompts-per-step", "2", "--max-new-tokens", "6", "--lr", "1e-4",
               "--task-file", str(EXAMPLE_TASKS), "--task-selection", "solve-rate",
               "--task-solve-rate-bounds", "0.2,0.9", "--drop-zero-signal-groups", "--sandbox-timeout-s", "5",
+              "--eval-task-file", str(EXAMPLE_TASKS), "--eval-pass-k", "2", "--eval-tasks", "3",
               "--save", save, "--log-interval", "1"]
     first = train_rl(common + ["--train-iters", "2"])
     history = first.report.history
@@ -24,6 +26,10 @@ def test_task_file_with_solve_rate_selection_saves_and_resumes(data_dir, tmp_pat
                     "selection fallback", "task all_pass", "task correctness"):
             assert key in row, key
         assert row["dropped groups"] <= row["zero-signal groups"] <= 2
+    # held out: before the first step and at the end, pass@1 and pass@k of the first 3 tasks
+    evals = first.report.eval_history
+    assert [e["iteration"] for e in evals] == [0, 2] and all(e["eval tasks"] == 3.0 for e in evals)
+    assert all({"eval pass@1", "eval pass@k", "eval correctness"} <= e.keys() for e in evals)
     counts = read_meta(save)["rl_task_selection"]["counts"]
     assert sum(n for _, n in counts.values()) == 2 * 2 * 2  # steps x groups x samples, each counted once
     assert counts == first.solve_rates.state_dict()["counts"]

@@ -43,6 +43,7 @@ class RolloutConfig:
     eval_tasks: int = 0  # held-out tasks evaluated (greedy) before the first step, every eval_interval, at the end
     eval_interval: int = 0
     backend: str = "engine"  # --rollout-backend: one of ROLLOUT_BACKENDS
+    eval_pass_k: int = 4  # --eval-task-file: samples per held-out task for pass@k (0: greedy pass@1 only)
     task_selection: str = "cycle"  # cycle: group g runs pool[g % len]; solve-rate: `task_selection`
     task_solve_rate_bounds: str = "0.1,0.9"  # the solve-rate estimates a selected task lies within
 
@@ -56,7 +57,7 @@ class RolloutConfig:
             raise ValueError(f"--task-selection {self.task_selection!r}; use one of {', '.join(SELECTIONS)}")
         parse_bounds(self.task_solve_rate_bounds)
         _at_least(self, 1, "group_size", "prompts_per_step", "max_new_tokens", "rollout_batch_size")
-        _at_least(self, 0, "eval_tasks", "eval_interval")
+        _at_least(self, 0, "eval_tasks", "eval_interval", "eval_pass_k")
         # every backend returns full-vocabulary log-probs at T (`backends`): no truncation in RL
         check_rl_sampling(self.temperature, self.top_p)
 
@@ -135,6 +136,7 @@ class EnvironmentConfig:
     task: str = "complete-function"
     task_file: str = ""  # --task code-tests: a JSONL/parquet file or a directory of shards (tasks.task_files)
     task_format: str = "jsonl"  # jsonl | humaneval | mbpp
+    eval_task_file: str = ""  # held-out code tasks (same format) for pass@1 / pass@k at --eval-interval
     task_families: str = "write-file"
     max_turns: int = 6
     token_budget: Optional[int] = None  # generated tokens per trajectory (None: max_turns x max_new_tokens)

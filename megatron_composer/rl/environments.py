@@ -111,20 +111,31 @@ class Environment:
 
 @register_environment("single-turn")
 class SingleTurnEnvironment(Environment):
-    """One completion per sample of a `--task` prompt rendered with the chat template."""
+    """One completion per sample of a `--task` prompt rendered with the chat template; held out, the
+    tasks of `--eval-task-file` (`evaluate`)."""
 
     def __init__(self, rl, tokenizer, seq_length, **kwargs):
         super().__init__(rl, tokenizer, seq_length, **kwargs)
         from ..data.sft import render_chat
-        from .tasks import build_task
+        from .tasks import CodeTestsTask, build_task
 
-        self.task = build_task(rl.environment)
+        held_out = self.split == "eval" and rl.environment.eval_task_file
+        if held_out:  # always code tasks from a file, whatever --task trains on
+            self.task = CodeTestsTask.from_config(rl.environment, task_file=rl.environment.eval_task_file)
+        else:
+            self.task = build_task(rl.environment)
         for prompt in self.task.prompts():
             ids = render_chat(list(prompt.messages), tokenizer, add_generation_prompt=True)[0]
             if len(ids) <= self._room():
                 self.pool.append((prompt, ids))
+        if held_out and self.count:
+            self.pool = self.pool[:self.count]
         if not self.pool:
             raise self._no_fit(f"{rl.environment.task} prompt")
+
+    def _generate(self, backend, ids, params: list) -> list:
+        with concurrent.futures.ThreadPoolExecutor(max(1, len(params))) as pool:  # one batch in the backend
+            return list(pool.map(lambda p: backend.generate([ids], p)[0], params))
 
     def task_key(self, index: int) -> str:
         return self.pool[index][0].key
@@ -148,6 +159,36 @@ class SingleTurnEnvironment(Environment):
                 outs = list(pool.map(lambda p: backend.generate([ids], p)[0], params))
         return [completion_sample(group_id, i, out, tok, self.task, prompt) for i, out in enumerate(outs)]
 
+    def evaluate(self, backend, *, workers, shard: tuple[int, int] = (0, 1)):
+        """`--eval-task-file`'s tasks `rank::world`: "eval pass@1" (greedy; also "eval solved" and "eval
+        correctness") and "eval pass@k" (k = --eval-pass-k samples at --temperature: the fraction of tasks
+        one of them solves, Chen et al.'s unbiased estimator at n = k). Sample j of task i is seeded
+        `sample_seed(0, i, j, k)`, the same at every evaluation, so evaluations differ by the weights only."""
+        rl, tok = self.rl, self.tokenizer
+        if self.split != "eval" or not rl.environment.eval_task_file:
+            return None
+        k, stop = rl.rollout.eval_pass_k, (tok.chat["end"], tok.eod)
+
+        def task_verdicts(i):
+            prompt, ids = self.pool[i]
+            params = [sampling_params(rl, seed=sample_seed(0, i, 0, 1), stop_token_ids=stop, routed_experts=False,
+                                      temperature=0.0)]
+            params += [sampling_params(rl, seed=sample_seed(0, i, j, k), stop_token_ids=stop, routed_experts=False)
+                       for j in range(k)]
+            outs = self._generate(backend, ids, params)
+            return [completion_sample(i, j, out, tok, self.task, prompt).rewards for j, out in enumerate(outs)]
+
+        mine = list(range(shard[0], len(self.pool), shard[1]))
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(workers, len(mine)))) as pool:
+            verdicts = list(pool.map(task_verdicts, mine))
+        n = max(len(mine), 1)
+        row = {"eval pass@1": sum(v[0]["all_pass"] for v in verdicts) / n,
+               "eval correctness": sum(v[0]["correctness"] for v in verdicts) / n}
+        row["eval solved"] = row["eval pass@1"]
+        if k:
+            row["eval pass@k"] = sum(any(x["all_pass"] for x in v[1:]) for v in verdicts) / n
+        return dict(row, **{"eval tasks": float(len(mine))})
+
     def describe(self):
         described = getattr(self.task, "describe", None)
         origin = f" ({described()})" if described else ""
@@ -167,9 +208,9 @@ class AgenticEnvironment(Environment):
     def check(cls, rl) -> None:
         from .tasks.coding import FAMILIES
 
-        if rl.environment.task_file:
-            raise ValueError(f"--task-file holds single-turn tasks; --env {cls.name} does not read it; drop "
-                             "--task-file, or use the single-turn environment")
+        if rl.environment.task_file or rl.environment.eval_task_file:
+            raise ValueError(f"--task-file and --eval-task-file hold single-turn tasks; --env {cls.name} reads "
+                             "neither; drop them, or use the single-turn environment")
         unknown = [f for f in rl.environment.families if f not in FAMILIES]
         if unknown or not rl.environment.families:
             raise ValueError(f"--task-families {rl.environment.task_families!r}: unknown family "

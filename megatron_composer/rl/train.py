@@ -107,6 +107,6 @@ def _evaluate(trainer: RLTrainer, report: StepReport) -> None:
     if result is None:
         return
     report.evaluation(dict(result, iteration=trainer.state.iteration))
+    more = "".join(f", {k[5:]} {result[k]:.3f}" for k in ("eval pass@k", "eval turns") if k in result)
     trainer.log.print(f"> eval at step {trainer.state.iteration}: solved {result['eval solved']:.3f} of "
-                      f"{int(result['eval tasks'])} held-out tasks, correctness {result['eval correctness']:.3f}, "
-                      f"{result['eval turns']:.2f} turns")
+                      f"{int(result['eval tasks'])} held-out tasks, correctness {result['eval correctness']:.3f}{more}")

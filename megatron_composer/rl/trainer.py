@@ -515,14 +515,15 @@ class RLTrainer:
 
     # ---- held-out evaluation (synchronous driver) -----------------------------------------
     def evaluate(self) -> Optional[dict]:
-        """Greedy episodes of `--eval-tasks` held-out tasks on the colocated engine (data-parallel ranks
+        """Greedy episodes of `--eval-tasks` held-out tasks (`--eval-task-file`: also pass@k) on the colocated engine (data-parallel ranks
         split them; every rank returns the same numbers), or None where the environment has none."""
         rl = self.rl
-        if not rl.rollout.eval_tasks:
+        if not (rl.rollout.eval_tasks or rl.environment.eval_task_file):
             return None
         self._need_engine()
         if self.eval_env is None:
-            self.eval_env = build_environment(rl, self.tokenizer, self.max_len, split="eval", count=rl.rollout.eval_tasks)
+            self.eval_env = build_environment(rl, self.tokenizer, self.max_len, split="eval",
+                                              count=rl.rollout.eval_tasks or None)
         self.model.eval()
         self.backend.start()
         try:
