@@ -52,6 +52,9 @@ def test_humaneval_and_mbpp_load_without_conversion(tmp_path):
 def test_unit_kinds_are_counted_by_hand():
     assert unit_count("x = 1\nassert x\nassert x == 1\n") == 2  # top-level asserts
     assert unit_count("def check(candidate):\n    y = 2\n    assert candidate(y)\n") == 1
+    # HumanEval/32's shape: setup, then a loop of asserts, one unit
+    assert unit_count("def check(candidate):\n    import math\n    for x in range(3):\n        assert x >= 0\n") == 1
+    assert unit_count("for x in (1, 2):\n    assert x\nif True:\n    assert 1\nprint(0)\n") == 2
     assert unit_count("def helper():\n    assert 0\n\ndef test_a():\n    pass\n\ndef test_b():\n    pass\n") == 2
 
 
@@ -217,3 +220,13 @@ def test_held_out_pass_at_1_and_pass_at_k_by_hand():
     assert [h["eval tasks"] for h in halves] == [2.0, 2.0]  # add, word_counts | is_palindrome, clamp
     train = build_environment(rl.replace(task="code-tests", task_file=str(EXAMPLE_TASKS)), tok, 4096)
     assert train.evaluate(None, workers=1) is None  # the training pool has no held-out evaluation
+
+
+def test_a_loop_of_asserts_is_one_unit_after_its_setup():
+    task = _task(entry_point="inc", tests="def check(candidate):\n    import math\n    for x in range(3):\n"
+                                          "        assert candidate(x) == x + 1\n    assert candidate(10) == 11\n")
+    assert run_code_tests(task, "def inc(x):\n    return x + 1\n", 10.0) == (2, 2)
+    assert run_code_tests(task, "def inc(x):\n    return x + 1 if x != 10 else 0\n", 10.0) == (1, 2)
+    assert run_code_tests(task, "def inc(x):\n    return x + 1 if x < 2 else 0\n", 10.0) == (0, 2)
+    setup_fails = _task(entry_point="inc", tests="import no_such_module\nassert inc(1) == 2\n")
+    assert run_code_tests(setup_fails, "def inc(x):\n    return x + 1\n", 10.0) == (0, 1)

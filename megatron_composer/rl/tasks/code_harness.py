@@ -8,13 +8,14 @@ count the units of a task's tests the same way (`test_plan`).
 The units of a tests source, by its shape:
 
     functions  top-level `def test*()`: each call is one unit (pytest style)
-    check      a top-level `def check(candidate)` (HumanEval): each `assert`
-               statement of its body is a unit, `candidate` bound to the
-               entry point
-    asserts    otherwise (MBPP's test_list): each top-level `assert` is a unit
+    check      a top-level `def check(candidate)` (HumanEval): each statement
+               of its body that asserts (an `assert`, or a loop or block with
+               one inside) is a unit, `candidate` bound to the entry point
+    asserts    otherwise (MBPP's test_list): each top-level statement that
+               asserts is a unit
 
-Statements run in order in one namespace with the program's. An assert that
-fails or raises fails its unit only; any other statement that raises fails
+Statements run in order in one namespace with the program's. A unit that
+fails or raises fails alone; any other statement (setup) that raises fails
 every unit after it. A program that raises, or lacks a callable entry point,
 fails every unit.
 
@@ -45,8 +46,13 @@ def test_plan(tests: str):
     checks = [n for n in module.body if isinstance(n, ast.FunctionDef) and n.name == CHECK]
     if checks:
         prelude = [n for n in module.body if n is not checks[-1]]
-        return "check", prelude, [(s, isinstance(s, ast.Assert)) for s in checks[-1].body]
-    return "asserts", [], [(s, isinstance(s, ast.Assert)) for s in module.body]
+        return "check", prelude, [(s, _asserts(s)) for s in checks[-1].body]
+    return "asserts", [], [(s, _asserts(s)) for s in module.body]
+
+
+def _asserts(statement) -> bool:
+    """Whether a statement is an assert or holds one (a loop of asserts is one unit)."""
+    return any(isinstance(node, ast.Assert) for node in ast.walk(statement))
 
 
 def unit_count(tests: str) -> int:
