@@ -227,6 +227,9 @@ def parse_rl_args(argv: Optional[list[str]] = None) -> RLRunConfig:
     if args.task_selection != "cycle" and (args.async_rl or args.ray_address is not None):
         raise ValueError(f"--task-selection {args.task_selection} runs in the synchronous loop (its estimates "
                          "follow each step's gathered groups); drop --async-rl, or use --task-selection cycle")
+    if args.eval_task_file and (args.async_rl or args.ray_address is not None):
+        raise ValueError("--eval-task-file is evaluated by the synchronous loop; drop --async-rl, or evaluate "
+                         "its checkpoints in a synchronous run with --train-iters at their iteration")
     if getattr(args, "eval_base_interval", 0):
         raise ValueError(f"--eval-base-interval {args.eval_base_interval} is a pretrain_cpt.py flag: RL measures "
                          "itself with --eval-tasks / --eval-interval; evaluate RL checkpoints with "
