@@ -47,6 +47,11 @@ def test_humaneval_and_mbpp_load_without_conversion(tmp_path):
     (mb,), _ = load_code_tasks(_write(tmp_path / "mbpp.jsonl", [MBPP]), "mbpp")
     assert (mb.id, mb.entry_point, unit_count(mb.tests)) == ("7", "rev", 3)
     assert MBPP["text"] in mb.prompt and MBPP["test_list"][0] in mb.prompt
+    sanitized = {"task_id": 8, "prompt": "Write a function gcd2(a, b).", "code": "import math\ndef gcd2(a, b): ...",
+                 "test_imports": ["import math"], "test_list": ["assert gcd2(4, 6) == math.gcd(4, 6)"]}
+    (sa,), _ = load_code_tasks(_write(tmp_path / "sanitized.jsonl", [sanitized]), "mbpp")
+    assert (sa.entry_point, sa.setup) == ("gcd2", "import math") and sanitized["prompt"] in sa.prompt
+    assert run_code_tests(sa, program_of(sa, "def gcd2(a, b):\n    return math.gcd(a, b)\n"), 10.0) == (1, 1)
 
 
 def test_unit_kinds_are_counted_by_hand():
@@ -112,7 +117,7 @@ def test_no_valid_record_is_an_error(tmp_path):
         load_code_tasks(_write(tmp_path / "t.jsonl", [b"nope\n", {"id": "x"}]))
     with pytest.raises(ValueError, match="has no valid task; 0 bad"):
         load_code_tasks(_write(tmp_path / "empty.jsonl", []))
-    with pytest.raises(ValueError, match="missing 'text'; every --task-format mbpp record needs task_id, text"):
+    with pytest.raises(ValueError, match="'test_list' is None, expected a non-empty list of assert strings"):
         load_code_tasks(_write(tmp_path / "he.jsonl", [HUMANEVAL]), "mbpp")  # the wrong format's records
     with pytest.raises(ValueError, match="does not exist"):
         load_code_tasks(tmp_path / "absent.jsonl")

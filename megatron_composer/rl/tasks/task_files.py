@@ -14,8 +14,9 @@ Every record becomes one `CodeTask`; the formats map their fields so:
                which may be the body alone; test (`def check(candidate)`) ->
                tests; entry_point -> entry_point; canonical_solution -> the
                reference (not used for scoring)
-    mbpp       task_id -> id; text plus the first of test_list -> the prompt;
-               test_list (assert lines) -> tests; test_setup_code -> setup;
+    mbpp       task_id -> id; text (the sanitized split: prompt) plus the
+               first of test_list -> the prompt; test_list (assert lines) ->
+               tests; test_setup_code and test_imports (sanitized) -> setup;
                code -> the reference; the entry point is the first function
                test_list[0] calls that is not a builtin
 
@@ -145,15 +146,20 @@ def _mbpp_entry_point(test: str) -> str:
 
 
 def _from_mbpp(record: dict) -> CodeTask:
-    text = _text(record, "text", "mbpp")
+    text = _text(record, "text" if "text" in record or "prompt" not in record else "prompt", "mbpp")
+    setup = _text(record, "test_setup_code", "mbpp", optional=True)
+    imports = record.get("test_imports")  # the sanitized split's list of import lines
+    if imports is not None:
+        if not isinstance(imports, list) or not all(isinstance(i, str) for i in imports):
+            raise BadRecord(f"'test_imports' is {_short(imports)}, expected a list of import lines")
+        setup = "\n".join([setup, *imports]).strip("\n")
     tests = record.get("test_list")
     if not isinstance(tests, list) or not tests or not all(isinstance(t, str) for t in tests):
         raise BadRecord(f"'test_list' is {_short(tests)}, expected a non-empty list of assert strings")
     return CodeTask(id=_task_id(record, "task_id", "mbpp"),
                     prompt=f"{text.strip()}\n\nYour code should pass this test:\n\n```python\n{tests[0].strip()}\n```",
                     tests=_tests("\n".join(tests), "test_list"), entry_point=_mbpp_entry_point(tests[0]),
-                    setup=_text(record, "test_setup_code", "mbpp", optional=True),
-                    reference=_text(record, "code", "mbpp", optional=True))
+                    setup=setup, reference=_text(record, "code", "mbpp", optional=True))
 
 
 _REQUIRED = {"jsonl": ("id", "prompt", "tests", "entry_point"),
