@@ -155,8 +155,7 @@ class SingleTurnEnvironment(Environment):
         if generate_n and not self.long_tail and all(s == seeds[0] + i for i, s in enumerate(seeds)):
             outs = generate_n(ids, params[0], len(seeds))  # the group as one request
         else:
-            with concurrent.futures.ThreadPoolExecutor(len(params)) as pool:  # one batch in the backend
-                outs = list(pool.map(lambda p: backend.generate([ids], p)[0], params))
+            outs = self._generate(backend, ids, params)
         return [completion_sample(group_id, i, out, tok, self.task, prompt) for i, out in enumerate(outs)]
 
     def evaluate(self, backend, *, workers, shard: tuple[int, int] = (0, 1)):
