@@ -1,11 +1,10 @@
 """Harder tasks: the zero-signal filter and the solve-rate selection rule against hand-computed cases, the
 drop leaving the update's gradient as it was, and the estimates carried through a checkpoint's meta."""
-from types import SimpleNamespace
-
 import pytest
 import torch
 
-from megatron_composer.rl.task_selection import SolveRates, parse_bounds, select_tasks, solved, zero_signal_groups
+from megatron_composer.rl.task_selection import (SolveRates, parse_bounds, select_tasks, solved, trained_groups,
+                                                 zero_signal_groups)
 from megatron_composer.rl.trainer import RLTrainer
 from tests.test_rl_core import _made_up_samples
 
@@ -43,19 +42,13 @@ def test_selection_rule_by_hand():
             parse_bounds(bad)
 
 
-def _stub(drop, dp_size=1, lockstep=False, group_size=2):
-    rl = SimpleNamespace(algorithm=SimpleNamespace(drop_zero_signal_groups=drop),
-                         rollout=SimpleNamespace(group_size=group_size))
-    return SimpleNamespace(rl=rl, dp_size=dp_size, lockstep=lockstep)
-
-
 def test_trained_groups_keep_one_per_mini_batch():
     zero = torch.tensor([True, False, True, True, True, True])
-    assert RLTrainer._trained_groups(_stub(False), zero, 3) == {0, 1, 2, 3, 4, 5}
-    assert RLTrainer._trained_groups(_stub(True), zero, 3) == {1, 3}  # mini-batch 2 has none: its first
-    assert RLTrainer._trained_groups(_stub(True), zero, 6) == {1}
+    assert trained_groups(zero, 3) == [1, 3]  # mini-batch 2 has no signal: its first group
+    assert trained_groups(zero, 6) == [1]
+    assert trained_groups(torch.tensor([False, False]), 1) == [0, 1]
     # expert parallelism over 4 data-parallel ranks, groups of 2: two groups give every rank a sample
-    assert RLTrainer._trained_groups(_stub(True, dp_size=4, lockstep=True), zero, 3) == {0, 1, 3, 4}
+    assert trained_groups(zero, 3, least=2) == [0, 1, 3, 4]
 
 
 def _no_mtp_trainer(tokenizer_model, dense_layers, **rl_fields):

@@ -32,7 +32,7 @@ def test_task_file_with_solve_rate_selection_saves_and_resumes(data_dir, tmp_pat
     assert all({"eval pass@1", "eval pass@k", "eval correctness"} <= e.keys() for e in evals)
     counts = read_meta(save)["rl_task_selection"]["counts"]
     assert sum(n for _, n in counts.values()) == 2 * 2 * 2  # steps x groups x samples, each counted once
-    assert counts == first.solve_rates.state_dict()["counts"]
+    assert counts == first.selector.rates.counts
     # untrained, nothing is solved: each task seen once falls to (0 + 1) / (2 + 2) = 0.25, seen twice to 1/6,
     # out of [0.2, 0.9]; step 1 took tasks 0, 1 (all unseen at 0.5), step 2 tasks 2, 3
     assert history[0]["task all_pass"] == 0.0 and sorted(counts) == ["add", "clamp", "is_palindrome", "word_counts"]
@@ -40,7 +40,7 @@ def test_task_file_with_solve_rate_selection_saves_and_resumes(data_dir, tmp_pat
     after = read_meta(save)["rl_task_selection"]
     assert sum(n for _, n in after["counts"].values()) == 3 * 2 * 2  # continued, not restarted
     # step 3 resumed at cursor 0 with every task at 0.25, took tasks 0 and 1, which fell to 1/6: half in bounds
-    assert after["cursor"] == resumed.task_cursor == 2
+    assert after["cursor"] == resumed.selector.cursor == 2
     assert after["counts"]["add"] == [0, 4] and after["counts"]["clamp"] == [0, 2]
     with open(os.path.join(save, "rl_steps.jsonl")) as f:
         rows = [json.loads(line) for line in f]

@@ -1,8 +1,10 @@
 """Harder tasks, not saturated ones: groups without signal, and tasks chosen by their solve rate.
 
     zero_signal_groups(rewards)            [G, n] rewards -> [G] bool, every sample of the group alike
-    SolveRates()                           per-task solve-rate estimates (below), saved in checkpoints
+    trained_groups(zero, per_mini, least)  the groups an update packs under --drop-zero-signal-groups
+    SolveRates()                           per-task solve-rate estimates (below)
     select_tasks(rates, count, cursor, bounds)  the step's task indices and the next cursor
+    TaskSelector(bounds)                   both over an environment's pool, with its metrics and state
 
 Zero-signal groups. A group whose samples all got the same reward has a zero
 advantage under every estimator here (`algorithms`: reward minus the group's
@@ -47,6 +49,19 @@ PRIOR_SOLVED, PRIOR_FAILED = 1.0, 1.0  # Beta(1, 1)
 def zero_signal_groups(rewards: torch.Tensor) -> torch.Tensor:
     """[G] bool: groups whose samples all share one reward. rewards: [G, n] float."""
     return (rewards == rewards[:, :1]).all(dim=1)
+
+
+def trained_groups(zero: torch.Tensor, groups_per_mini: int, least: int = 1) -> list[int]:
+    """The groups with a signal, mini-batch by mini-batch (`groups_per_mini` consecutive groups each); a
+    mini-batch keeps at least `least` groups, its zero-signal ones in order if it must: their policy-loss
+    gradient is zero, and an update without samples would still move the optimizer (under expert
+    parallelism or HSDP, `least` gives every data-parallel rank a sample). zero: [G] bool."""
+    kept = []
+    for start in range(0, len(zero), groups_per_mini):
+        mini = range(start, min(start + groups_per_mini, len(zero)))
+        keep = [g for g in mini if not zero[g]]
+        kept += sorted(keep + [g for g in mini if zero[g]][:max(0, least - len(keep))])
+    return kept
 
 
 def solved(verdict: dict) -> bool:
@@ -100,3 +115,44 @@ def select_tasks(rates: list[float], count: int, cursor: int, bounds: tuple[floa
     order = sorted(eligible or range(n), key=lambda i: (i - cursor) % n)
     taken = [order[j % len(order)] for j in range(count)]
     return taken, (taken[-1] + 1) % n, fallback
+
+
+class TaskSelector:
+    """`--task-selection solve-rate` over an environment's pool (by `env.task_key`): the estimates, the
+    cursor, and the metrics of the last step. The same on every rank: each step's choice depends on the
+    estimates only, and every rank observes the same gathered samples."""
+
+    def __init__(self, bounds: tuple[float, float]):
+        self.bounds, self.rates, self.cursor = bounds, SolveRates(), 0
+        self.metrics: dict = {}
+
+    def _estimates(self, env) -> list[float]:
+        return [self.rates.rate(env.task_key(i)) for i in range(len(env.pool))]
+
+    def choose(self, env, count: int) -> list[int]:
+        """The pool indices of a step's `count` groups (`select_tasks`)."""
+        rates = self._estimates(env)
+        chosen, self.cursor, fallback = select_tasks(rates, count, self.cursor, self.bounds)
+        self.metrics = {"selection fallback": float(fallback),
+                        "selected solve rate": sum(rates[i] for i in chosen) / count}
+        return chosen
+
+    def observe(self, env, chosen: list[int], samples) -> None:
+        """Count the step's samples (step-local group j ran pool[chosen[j]]; each trajectory's verdict once)."""
+        heads: dict = {}
+        for s in samples:
+            heads.setdefault(s.trajectory, s)
+        for j, index in enumerate(chosen):
+            group = [h for h in heads.values() if h.group == j]
+            self.rates.update(env.task_key(index), sum(solved(h.rewards) for h in group), len(group))
+        low, high = self.bounds
+        rates = self._estimates(env)
+        self.metrics.update({"tasks in bounds": sum(low <= r <= high for r in rates) / len(rates),
+                             "tasks seen": float(len(self.rates.counts))})
+
+    def state_dict(self) -> dict:
+        return dict(self.rates.state_dict(), cursor=self.cursor)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rates.load_state_dict(state)
+        self.cursor = int(state.get("cursor", 0))

@@ -61,7 +61,7 @@ from .loss import PolicyLoss
 from .packing import attention_costs, plan_step
 from .reference import build_reference_model
 from .rewards import EffortCounts, import_reward_terms, parse_reward_weights, reward_terms, score
-from .task_selection import SolveRates, parse_bounds, select_tasks, solved, zero_signal_groups
+from .task_selection import TaskSelector, parse_bounds, trained_groups, zero_signal_groups
 
 
 class _Scored:
@@ -135,11 +135,10 @@ class RLTrainer:
         self.linear_cost, self.quadratic_cost = attention_costs(model_cfg)
         self.reference = None
         t.extra_meta["rl_reference"] = cfg.checkpoint.load  # the run's first --load, kept across resumes
-        self.solve_rates = None  # --task-selection solve-rate: estimates and the pool cursor, checkpointed
+        self.selector = None  # --task-selection solve-rate: estimates and cursor, in the checkpoint's meta
         if rl.rollout.task_selection == "solve-rate":
-            self.solve_rates, self.task_cursor = SolveRates(), 0
-            t.extra_meta["rl_task_selection"] = self._selection_state()
-        self.selection_metrics: dict = {}  # the last step's (`rollouts`)
+            self.selector = TaskSelector(parse_bounds(rl.rollout.task_solve_rate_bounds))
+            t.extra_meta["rl_task_selection"] = self.selector.state_dict()
 
     # ---- the composed trainer's state, read by the drivers ----------------------------
     model = property(lambda self: self.trainer.model)
@@ -257,10 +256,8 @@ class RLTrainer:
         """--load (weights only from an SFT checkpoint, everything from an RL run), then the reference; a
         backend with weights of its own gets the loaded ones."""
         self.trainer.resume()
-        if self.solve_rates is not None:  # a resumed RL run continues its estimates and cursor
-            state = self.trainer.extra_meta["rl_task_selection"]
-            self.solve_rates.load_state_dict(state)
-            self.task_cursor = int(state.get("cursor", 0))
+        if self.selector is not None:  # a resumed RL run continues its estimates and cursor
+            self.selector.load_state_dict(self.trainer.extra_meta["rl_task_selection"])
         self.build_reference()
         if self.backend is not None and not self.backend.shares_weights:
             self.publish_weights()
@@ -279,7 +276,7 @@ class RLTrainer:
 
         self._need_engine()
         ids = self.group_ids(iteration)
-        chosen = self._select_tasks(len(ids)) if self.solve_rates is not None else None
+        chosen = self.selector.choose(self.env, len(ids)) if self.selector is not None else None
         if chosen is not None:
             self.env.assign_tasks(dict(zip(ids, chosen)))
         mine = [j for j in range(len(ids)) if j % self.dp_size == self.dp_rank]
@@ -297,35 +294,14 @@ class RLTrainer:
                    for j, run in zip(mine, runs) for s in run]
         samples = self._gather(samples)
         if chosen is not None:
-            self._observe_solves(chosen, samples)
+            self.selector.observe(self.env, chosen, samples)
+            self.trainer.extra_meta["rl_task_selection"] = self.selector.state_dict()
         return samples
 
-    # ---- solve-rate task selection (synchronous driver; `task_selection`) ---------------------------------
-    def _selection_state(self) -> dict:
-        return dict(self.solve_rates.state_dict(), cursor=self.task_cursor)
-
-    def _select_tasks(self, count: int) -> list[int]:
-        """The pool indices of this step's `count` groups; every rank chooses the same (same estimates)."""
-        rates = [self.solve_rates.rate(self.env.task_key(i)) for i in range(len(self.env.pool))]
-        chosen, self.task_cursor, fallback = select_tasks(rates, count, self.task_cursor,
-                                                          parse_bounds(self.rl.rollout.task_solve_rate_bounds))
-        self.selection_metrics = {"selection fallback": float(fallback),
-                                  "selected solve rate": sum(rates[i] for i in chosen) / count}
-        return chosen
-
-    def _observe_solves(self, chosen: list[int], samples: list[RolloutSample]) -> None:
-        """Add the step's solved counts (each trajectory's verdict once) to the chosen tasks' estimates."""
-        heads: dict[int, RolloutSample] = {}
-        for s in samples:
-            heads.setdefault(s.trajectory, s)
-        for j, index in enumerate(chosen):
-            group = [h for h in heads.values() if h.group == j]
-            self.solve_rates.update(self.env.task_key(index), sum(solved(h.rewards) for h in group), len(group))
-        self.trainer.extra_meta["rl_task_selection"] = self._selection_state()
-        low, high = parse_bounds(self.rl.rollout.task_solve_rate_bounds)
-        rates = [self.solve_rates.rate(self.env.task_key(i)) for i in range(len(self.env.pool))]
-        self.selection_metrics.update({"tasks in bounds": sum(low <= r <= high for r in rates) / len(rates),
-                                       "tasks seen": float(len(self.solve_rates.counts))})
+    @property
+    def selection_metrics(self) -> dict:
+        """The last step's task-selection metrics (none without --task-selection solve-rate)."""
+        return dict(self.selector.metrics) if self.selector is not None else {}
 
     def _need_engine(self) -> None:
         if self.backend is None:
@@ -400,7 +376,10 @@ class RLTrainer:
         owner = torch.tensor([s.trajectory for s in samples])  # sample -> its trajectory
         groups_per_mini = rl.rollout.prompts_per_step // rl.algorithm.ppo_mini_batches
         zero = zero_signal_groups(totals.double().view(rl.rollout.prompts_per_step, rl.rollout.group_size))
-        trained = self._trained_groups(zero, groups_per_mini)
+        trained = set(range(len(zero)))
+        if rl.algorithm.drop_zero_signal_groups:  # under EP or HSDP enough groups for a sample on every rank
+            trained = set(trained_groups(zero, groups_per_mini, -(-self.dp_size // rl.rollout.group_size)
+                                         if self.lockstep else 1))
         if self.feedback_teacher is not None:
             self.feedback_teacher.logits_fn.refresh(self.state.iteration)
         minis = [self._pack(samples, [i for i, s in enumerate(samples)
@@ -436,23 +415,6 @@ class RLTrainer:
         metrics = self._step_metrics(samples, trajectories, totals, per_term, advantages, kl_sums)
         metrics.update({"zero-signal groups": float(zero.sum()), "dropped groups": float(len(zero) - len(trained))})
         return placed, metrics
-
-    def _trained_groups(self, zero: torch.Tensor, groups_per_mini: int) -> set[int]:
-        """The step-local groups packed for the update: all, or with --drop-zero-signal-groups those with a
-        signal (`task_selection`). A mini-batch keeps at least one group (under expert parallelism or HSDP
-        enough for a sample on every data-parallel rank), zero-signal ones in order if it must: their
-        policy-loss gradient is zero, and an update without samples would still move the optimizer."""
-        groups = range(len(zero))
-        if not self.rl.algorithm.drop_zero_signal_groups:
-            return set(groups)
-        least = -(-self.dp_size // self.rl.rollout.group_size) if self.lockstep else 1
-        trained = set()
-        for start in range(0, len(zero), groups_per_mini):
-            mini = list(groups[start:start + groups_per_mini])
-            keep = [g for g in mini if not zero[g]]
-            keep += [g for g in mini if zero[g]][:max(0, least - len(keep))]
-            trained.update(keep)
-        return trained
 
     def _all_reduce_dp_cp(self, t: torch.Tensor) -> torch.Tensor:
         return self.trainer._all_reduce_dp_cp(t)
