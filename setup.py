@@ -34,7 +34,9 @@ setup(
     packages=find_packages(include=["megatron_composer", "megatron_composer.*"]),
     py_modules=["pretrain_cpt", "train_rl"],
     # The feature-deletion family's code base: plain files, not packages of ours.
-    package_data={"megatron_composer.rl.tasks.coding": ["codebase/*.py", "codebase/*/*.py"]},
+    package_data={"megatron_composer.rl.tasks.coding": ["codebase/*.py", "codebase/*/*.py"],
+                  # the hand-written example of --task-file
+                  "megatron_composer.rl.tasks": ["examples/*.jsonl"]},
     install_requires=[
         TORCH,
         MEGATRON_CORE,
@@ -52,6 +54,7 @@ setup(
         "pyflakes",  # rl/agentic_rewards.py: the style reward term
         "rapidfuzz",  # eval/edits.py: character-level edit distance (state tracking)
         "tiktoken",  # data/tiktoken_tokenizer.py: Kimi K2.5's tokenizer, read without remote code
+        "pyarrow",  # rl/tasks/task_files.py: --task-file parquet shards
     ],
     extras_require={
         # triton: the quantization kernels' tests run through its CPU interpreter; CUDA builds of

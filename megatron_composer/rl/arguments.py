@@ -50,7 +50,19 @@ def build_rl_parser():
                      "router replay, balanced packing.")
     d = _FlatDefaults()
     g = p.add_argument_group("reinforcement learning")
-    g.add_argument("--task", choices=sorted(TASKS), default=d.task)
+    g.add_argument("--task", choices=sorted(TASKS), default=None,
+                   help=f"the single-turn task (default: code-tests with --task-file, else {d.task})")
+    g.add_argument("--task-file", default=d.task_file,
+                   help="single-turn code tasks from a JSONL or parquet file, or a directory of shards "
+                        "(rl/tasks/task_files.py); implies --task code-tests")
+    g.add_argument("--task-format", choices=("jsonl", "humaneval", "mbpp"), default=d.task_format,
+                   help="the records' fields: jsonl (id, prompt, tests, entry_point), humaneval, mbpp")
+    g.add_argument("--eval-task-file", default=d.eval_task_file,
+                   help="held-out code tasks (a file or directory in --task-format), evaluated before the first "
+                        "step, every --eval-interval steps and at the end: pass@1 greedy, pass@k of --eval-pass-k "
+                        "samples (--eval-tasks N: the first N)")
+    g.add_argument("--eval-pass-k", type=int, default=d.eval_pass_k,
+                   help="samples per held-out task for pass@k at --temperature (0: pass@1 only)")
     g.add_argument("--group-size", type=int, default=d.group_size, help="samples per prompt")
     g.add_argument("--prompts-per-step", type=int, default=d.prompts_per_step, help="groups per step")
     g.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
@@ -91,6 +103,14 @@ def build_rl_parser():
     g.add_argument("--rl-micro-batch-tokens", dest="micro_batch_tokens", type=int, default=d.micro_batch_tokens,
                    help="packed tokens per training micro-batch")
     g.add_argument("--rollout-batch-size", type=int, default=d.rollout_batch_size, help="engine cache slots")
+    g.add_argument("--drop-zero-signal-groups", action="store_true", default=d.drop_zero_signal_groups,
+                   help="leave groups whose samples all got the same reward (zero advantage) out of packing "
+                        "and the forward/backward (rl/task_selection.py); they are counted every step either way")
+    g.add_argument("--task-selection", choices=("cycle", "solve-rate"), default=d.task_selection,
+                   help="cycle: the tasks in order; solve-rate: only tasks whose solve-rate estimate lies within "
+                        "--task-solve-rate-bounds (rl/task_selection.py; synchronous loop)")
+    g.add_argument("--task-solve-rate-bounds", default=d.task_solve_rate_bounds,
+                   help="LOW,HIGH of --task-selection solve-rate, e.g. 0.1,0.9")
 
     g = p.add_argument_group("rollouts through vLLM (--rollout-backend vllm)")
     g.add_argument("--rollout-backend", choices=ROLLOUT_BACKENDS, default=d.rollout_backend,
@@ -195,6 +215,8 @@ def parse_rl_args(argv: Optional[list[str]] = None) -> RLRunConfig:
     """train_rl.py's flags as an `RLRunConfig`; ValueError names a bad flag."""
     args = parse_args(argv, build_rl_parser())
     args.stage = "rl"
+    if args.task is None:
+        args.task = "code-tests" if args.task_file else _FlatDefaults().task
     for flag in ("max_inflight_groups", "trainer_ranks", "inference_workers", "env_workers"):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -202,6 +224,12 @@ def parse_rl_args(argv: Optional[list[str]] = None) -> RLRunConfig:
     if args.max_policy_lag < 0 or args.group_timeout_s <= 0:
         raise ValueError(f"--max-policy-lag {args.max_policy_lag} must be >= 0 and --group-timeout-s "
                          f"{args.group_timeout_s} > 0")
+    if args.task_selection != "cycle" and (args.async_rl or args.ray_address is not None):
+        raise ValueError(f"--task-selection {args.task_selection} runs in the synchronous loop (its estimates "
+                         "follow each step's gathered groups); drop --async-rl, or use --task-selection cycle")
+    if args.eval_task_file and (args.async_rl or args.ray_address is not None):
+        raise ValueError("--eval-task-file is evaluated by the synchronous loop; drop --async-rl, or evaluate "
+                         "its checkpoints in a synchronous run with --train-iters at their iteration")
     if getattr(args, "eval_base_interval", 0):
         raise ValueError(f"--eval-base-interval {args.eval_base_interval} is a pretrain_cpt.py flag: RL measures "
                          "itself with --eval-tasks / --eval-interval; evaluate RL checkpoints with "

@@ -43,14 +43,21 @@ class RolloutConfig:
     eval_tasks: int = 0  # held-out tasks evaluated (greedy) before the first step, every eval_interval, at the end
     eval_interval: int = 0
     backend: str = "engine"  # --rollout-backend: one of ROLLOUT_BACKENDS
+    eval_pass_k: int = 4  # --eval-task-file: samples per held-out task for pass@k (0: greedy pass@1 only)
+    task_selection: str = "cycle"  # cycle: group g runs pool[g % len]; solve-rate: `task_selection`
+    task_solve_rate_bounds: str = "0.1,0.9"  # the solve-rate estimates a selected task lies within
 
     def __post_init__(self):
         from .policy_losses import check_rl_sampling
+        from .task_selection import SELECTIONS, parse_bounds
 
         if self.backend not in ROLLOUT_BACKENDS:
             raise ValueError(f"--rollout-backend {self.backend!r}; use one of {', '.join(ROLLOUT_BACKENDS)}")
+        if self.task_selection not in SELECTIONS:
+            raise ValueError(f"--task-selection {self.task_selection!r}; use one of {', '.join(SELECTIONS)}")
+        parse_bounds(self.task_solve_rate_bounds)
         _at_least(self, 1, "group_size", "prompts_per_step", "max_new_tokens", "rollout_batch_size")
-        _at_least(self, 0, "eval_tasks", "eval_interval")
+        _at_least(self, 0, "eval_tasks", "eval_interval", "eval_pass_k")
         # every backend returns full-vocabulary log-probs at T (`backends`): no truncation in RL
         check_rl_sampling(self.temperature, self.top_p)
 
@@ -70,6 +77,7 @@ class AlgorithmConfig:
     router_replay: bool = True
     replay_plausibility_threshold: float = 0.0
     micro_batch_tokens: int = 2048  # packed tokens per micro-batch
+    drop_zero_signal_groups: bool = False  # leave groups whose samples share one reward out of the update
 
     def __post_init__(self):
         from .policy_losses import get_policy_loss
@@ -126,6 +134,9 @@ class EnvironmentConfig:
     # "agentic-coding" (multi-turn tool use on --task-families; max_new_tokens per turn)
     name: str = "single-turn"
     task: str = "complete-function"
+    task_file: str = ""  # --task code-tests: a JSONL/parquet file or a directory of shards (tasks.task_files)
+    task_format: str = "jsonl"  # jsonl | humaneval | mbpp
+    eval_task_file: str = ""  # held-out code tasks (same format) for pass@1 / pass@k at --eval-interval
     task_families: str = "write-file"
     max_turns: int = 6
     token_budget: Optional[int] = None  # generated tokens per trajectory (None: max_turns x max_new_tokens)
@@ -139,7 +150,17 @@ class EnvironmentConfig:
     def __post_init__(self):
         from .environments import environment_class
 
+        from .tasks import TASKS
+        from .tasks.task_files import FORMATS
+
         environment_class(self.name)
+        if self.task not in TASKS:
+            raise ValueError(f"--task {self.task!r}; use one of {', '.join(sorted(TASKS))}")
+        if self.task_format not in FORMATS:
+            raise ValueError(f"--task-format {self.task_format!r}; use one of {', '.join(FORMATS)}")
+        if (self.task == "code-tests") != bool(self.task_file):
+            raise ValueError(f"--task {self.task} with --task-file {self.task_file!r}: --task-file is read by "
+                             "--task code-tests and that task needs it; give both, or neither")
         _at_least(self, 1, "max_turns", "max_observation_tokens", "summary_max_tokens", "episode_workers")
         if self.token_budget is not None and self.token_budget < 1:
             raise ValueError(f"--token-budget {self.token_budget} must be >= 1")

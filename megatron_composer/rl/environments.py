@@ -2,6 +2,7 @@
 
     env = build_environment(rl, tokenizer, seq_length)      # rl: RLConfig, split "train"
     env.pool                                   # the tasks that fit the context; group g runs pool[g % len]
+    env.assign_tasks({group_id: pool_index})   # or the pool entries a task selection chose
     env.run_group(backend, group_id, seeds)    # one group's scored samples (`batches.RolloutSample`)
     env.evaluate(backend, workers=...)         # greedy held-out episodes -> metrics, or None
 
@@ -70,6 +71,7 @@ class Environment:
         self.rl, self.tokenizer, self.seq_length = rl, tokenizer, seq_length
         self.split, self.count, self.long_tail = split, count, long_tail
         self.pool: list = []
+        self.assigned: dict[int, int] = {}  # group id -> pool index (`assign_tasks`)
 
     def set_feedback_rules(self, rules: Optional[dict]) -> None:
         """The textual-feedback rules whose hints this environment's samples carry (`feedback` only)."""
@@ -78,7 +80,15 @@ class Environment:
         return [sample_seed(seed, group_id, i, self.rl.rollout.group_size) for i in range(self.rl.rollout.group_size)]
 
     def task_of(self, group_id: int):
-        return self.pool[group_id % len(self.pool)]
+        return self.pool[self.assigned.get(group_id, group_id % len(self.pool))]
+
+    def task_key(self, index: int) -> str:
+        """A stable name of pool entry `index` (the solve-rate estimates' key)."""
+        return self.pool[index].key
+
+    def assign_tasks(self, assigned: dict[int, int]) -> None:
+        """Run group id g on pool[assigned[g]] (the step's task selection), instead of pool[g % len]."""
+        self.assigned = dict(assigned)
 
     def run_group(self, backend, group_id: int, seeds: list[int]) -> list[RolloutSample]:
         raise NotImplementedError
@@ -101,20 +111,34 @@ class Environment:
 
 @register_environment("single-turn")
 class SingleTurnEnvironment(Environment):
-    """One completion per sample of a `--task` prompt rendered with the chat template."""
+    """One completion per sample of a `--task` prompt rendered with the chat template; held out, the
+    tasks of `--eval-task-file` (`evaluate`)."""
 
     def __init__(self, rl, tokenizer, seq_length, **kwargs):
         super().__init__(rl, tokenizer, seq_length, **kwargs)
         from ..data.sft import render_chat
-        from .tasks import get_task
+        from .tasks import CodeTestsTask, build_task
 
-        self.task = get_task(rl.environment.task)
+        held_out = self.split == "eval" and rl.environment.eval_task_file
+        if held_out:  # always code tasks from a file, whatever --task trains on
+            self.task = CodeTestsTask.from_config(rl.environment, task_file=rl.environment.eval_task_file)
+        else:
+            self.task = build_task(rl.environment)
         for prompt in self.task.prompts():
             ids = render_chat(list(prompt.messages), tokenizer, add_generation_prompt=True)[0]
             if len(ids) <= self._room():
                 self.pool.append((prompt, ids))
+        if held_out and self.count:
+            self.pool = self.pool[:self.count]
         if not self.pool:
             raise self._no_fit(f"{rl.environment.task} prompt")
+
+    def _generate(self, backend, ids, params: list) -> list:
+        with concurrent.futures.ThreadPoolExecutor(max(1, len(params))) as pool:  # one batch in the backend
+            return list(pool.map(lambda p: backend.generate([ids], p)[0], params))
+
+    def task_key(self, index: int) -> str:
+        return self.pool[index][0].key
 
     def run_group(self, backend, group_id, seeds):
         rl, tok = self.rl, self.tokenizer
@@ -131,12 +155,43 @@ class SingleTurnEnvironment(Environment):
         if generate_n and not self.long_tail and all(s == seeds[0] + i for i, s in enumerate(seeds)):
             outs = generate_n(ids, params[0], len(seeds))  # the group as one request
         else:
-            with concurrent.futures.ThreadPoolExecutor(len(params)) as pool:  # one batch in the backend
-                outs = list(pool.map(lambda p: backend.generate([ids], p)[0], params))
+            outs = self._generate(backend, ids, params)
         return [completion_sample(group_id, i, out, tok, self.task, prompt) for i, out in enumerate(outs)]
 
+    def evaluate(self, backend, *, workers, shard: tuple[int, int] = (0, 1)):
+        """`--eval-task-file`'s tasks `rank::world`: "eval pass@1" (greedy; also "eval solved" and "eval
+        correctness") and "eval pass@k" (k = --eval-pass-k samples at --temperature: the fraction of tasks
+        one of them solves, Chen et al.'s unbiased estimator at n = k). Sample j of task i is seeded
+        `sample_seed(0, i, j, k)`, the same at every evaluation, so evaluations differ by the weights only."""
+        rl, tok = self.rl, self.tokenizer
+        if self.split != "eval" or not rl.environment.eval_task_file:
+            return None
+        k, stop = rl.rollout.eval_pass_k, (tok.chat["end"], tok.eod)
+
+        def task_verdicts(i):
+            prompt, ids = self.pool[i]
+            params = [sampling_params(rl, seed=sample_seed(0, i, 0, 1), stop_token_ids=stop, routed_experts=False,
+                                      temperature=0.0)]
+            params += [sampling_params(rl, seed=sample_seed(0, i, j, k), stop_token_ids=stop, routed_experts=False)
+                       for j in range(k)]
+            outs = self._generate(backend, ids, params)
+            return [completion_sample(i, j, out, tok, self.task, prompt).rewards for j, out in enumerate(outs)]
+
+        mine = list(range(shard[0], len(self.pool), shard[1]))
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(workers, len(mine)))) as pool:
+            verdicts = list(pool.map(task_verdicts, mine))
+        n = max(len(mine), 1)
+        row = {"eval pass@1": sum(v[0]["all_pass"] for v in verdicts) / n,
+               "eval correctness": sum(v[0]["correctness"] for v in verdicts) / n}
+        row["eval solved"] = row["eval pass@1"]
+        if k:
+            row["eval pass@k"] = sum(any(x["all_pass"] for x in v[1:]) for v in verdicts) / n
+        return dict(row, **{"eval tasks": float(len(mine))})
+
     def describe(self):
-        return f"RL task {self.rl.environment.task}: {len(self.pool)} prompts"
+        described = getattr(self.task, "describe", None)
+        origin = f" ({described()})" if described else ""
+        return f"RL task {self.rl.environment.task}{origin}: {len(self.pool)} prompts"
 
 
 @register_environment("agentic-coding")
@@ -152,6 +207,9 @@ class AgenticEnvironment(Environment):
     def check(cls, rl) -> None:
         from .tasks.coding import FAMILIES
 
+        if rl.environment.task_file or rl.environment.eval_task_file:
+            raise ValueError(f"--task-file and --eval-task-file hold single-turn tasks; --env {cls.name} reads "
+                             "neither; drop them, or use the single-turn environment")
         unknown = [f for f in rl.environment.families if f not in FAMILIES]
         if unknown or not rl.environment.families:
             raise ValueError(f"--task-families {rl.environment.task_families!r}: unknown family "

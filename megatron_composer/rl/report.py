@@ -58,6 +58,10 @@ class StepReport:
         if self.eval_history:
             ax.plot([h["iteration"] for h in self.eval_history], [h["eval solved"] for h in self.eval_history],
                     "o-", label="held-out solved (greedy)")
+            passk = [h for h in self.eval_history if "eval pass@k" in h]
+            if passk:
+                ax.plot([h["iteration"] for h in passk], [h["eval pass@k"] for h in passk], "s--",
+                        label="held-out pass@k")
         ax.set_xlabel("RL step")
         ax.set_ylabel("reward")
         ax.set_title(self.title, fontsize=9)

@@ -29,7 +29,7 @@ from .report import StepReport
 from .rollout import due
 from .trainer import RLTrainer, colocated_engine_refusal
 
-LOG_KEYS = ("reward", "task all_pass", "policy loss", "grad norm", "completion length", "turns", "summaries",
+LOG_KEYS = ("reward", "task all_pass", "zero-signal groups", "tasks in bounds", "policy loss", "grad norm", "completion length", "turns", "summaries",
             "feedback hints", "feedback kl", "logp mismatch mean", "step seconds")
 
 
@@ -86,6 +86,7 @@ def train_sync(trainer: RLTrainer) -> StepReport:
         samples = trainer.rollouts(st.iteration)
         rollout_seconds = time.perf_counter() - started
         metrics = trainer.train_on(samples)
+        metrics.update(trainer.selection_metrics)  # --task-selection solve-rate
         metrics.update({"rollout seconds": rollout_seconds, "step seconds": time.perf_counter() - started})
         report.step(dict(metrics, iteration=st.iteration))
         if due(st.iteration, rl.rollout.eval_interval, -1) and st.iteration < cfg.train_iters:
@@ -106,6 +107,6 @@ def _evaluate(trainer: RLTrainer, report: StepReport) -> None:
     if result is None:
         return
     report.evaluation(dict(result, iteration=trainer.state.iteration))
+    more = "".join(f", {k[5:]} {result[k]:.3f}" for k in ("eval pass@k", "eval turns") if k in result)
     trainer.log.print(f"> eval at step {trainer.state.iteration}: solved {result['eval solved']:.3f} of "
-                      f"{int(result['eval tasks'])} held-out tasks, correctness {result['eval correctness']:.3f}, "
-                      f"{result['eval turns']:.2f} turns")
+                      f"{int(result['eval tasks'])} held-out tasks, correctness {result['eval correctness']:.3f}{more}")

@@ -61,6 +61,7 @@ from .loss import PolicyLoss
 from .packing import attention_costs, plan_step
 from .reference import build_reference_model
 from .rewards import EffortCounts, import_reward_terms, parse_reward_weights, reward_terms, score
+from .task_selection import TaskSelector, parse_bounds, trained_groups, zero_signal_groups
 
 
 class _Scored:
@@ -134,6 +135,10 @@ class RLTrainer:
         self.linear_cost, self.quadratic_cost = attention_costs(model_cfg)
         self.reference = None
         t.extra_meta["rl_reference"] = cfg.checkpoint.load  # the run's first --load, kept across resumes
+        self.selector = None  # --task-selection solve-rate: estimates and cursor, in the checkpoint's meta
+        if rl.rollout.task_selection == "solve-rate":
+            self.selector = TaskSelector(parse_bounds(rl.rollout.task_solve_rate_bounds))
+            t.extra_meta["rl_task_selection"] = self.selector.state_dict()
 
     # ---- the composed trainer's state, read by the drivers ----------------------------
     model = property(lambda self: self.trainer.model)
@@ -251,6 +256,8 @@ class RLTrainer:
         """--load (weights only from an SFT checkpoint, everything from an RL run), then the reference; a
         backend with weights of its own gets the loaded ones."""
         self.trainer.resume()
+        if self.selector is not None:  # a resumed RL run continues its estimates and cursor
+            self.selector.load_state_dict(self.trainer.extra_meta["rl_task_selection"])
         self.build_reference()
         if self.backend is not None and not self.backend.shares_weights:
             self.publish_weights()
@@ -269,6 +276,9 @@ class RLTrainer:
 
         self._need_engine()
         ids = self.group_ids(iteration)
+        chosen = self.selector.choose(self.env, len(ids)) if self.selector is not None else None
+        if chosen is not None:
+            self.env.assign_tasks(dict(zip(ids, chosen)))
         mine = [j for j in range(len(ids)) if j % self.dp_size == self.dp_rank]
         self.model.eval()
         self.backend.start()
@@ -282,7 +292,16 @@ class RLTrainer:
         size = self.rl.rollout.group_size
         samples = [dataclasses.replace(s, group=j, trajectory=j * size + s.trajectory % size)
                    for j, run in zip(mine, runs) for s in run]
-        return self._gather(samples)
+        samples = self._gather(samples)
+        if chosen is not None:
+            self.selector.observe(self.env, chosen, samples)
+            self.trainer.extra_meta["rl_task_selection"] = self.selector.state_dict()
+        return samples
+
+    @property
+    def selection_metrics(self) -> dict:
+        """The last step's task-selection metrics (none without --task-selection solve-rate)."""
+        return dict(self.selector.metrics) if self.selector is not None else {}
 
     def _need_engine(self) -> None:
         if self.backend is None:
@@ -356,9 +375,15 @@ class RLTrainer:
         totals, per_term = score([_Scored(s) for s in trajectories], self.reward_weights, self.reward_terms)
         owner = torch.tensor([s.trajectory for s in samples])  # sample -> its trajectory
         groups_per_mini = rl.rollout.prompts_per_step // rl.algorithm.ppo_mini_batches
+        zero = zero_signal_groups(totals.double().view(rl.rollout.prompts_per_step, rl.rollout.group_size))
+        trained = set(range(len(zero)))
+        if rl.algorithm.drop_zero_signal_groups:  # under EP or HSDP enough groups for a sample on every rank
+            trained = set(trained_groups(zero, groups_per_mini, -(-self.dp_size // rl.rollout.group_size)
+                                         if self.lockstep else 1))
         if self.feedback_teacher is not None:
             self.feedback_teacher.logits_fn.refresh(self.state.iteration)
-        minis = [self._pack(samples, [i for i, s in enumerate(samples) if s.group // groups_per_mini == j])
+        minis = [self._pack(samples, [i for i, s in enumerate(samples)
+                                      if s.group // groups_per_mini == j and s.group in trained])
                  for j in range(rl.algorithm.ppo_mini_batches)]
         kl_sums = torch.zeros(count, dtype=torch.float64)  # per trajectory
         if self.reference is not None:
@@ -387,7 +412,9 @@ class RLTrainer:
                 first = index == 0 and self.dp_rank == 0 and self.cp_rank == 0
                 micro.append(dataclasses.replace(batch, normalizer_share=normalizer if first else 0.0))
             placed.append(micro)
-        return placed, self._step_metrics(samples, trajectories, totals, per_term, advantages, kl_sums)
+        metrics = self._step_metrics(samples, trajectories, totals, per_term, advantages, kl_sums)
+        metrics.update({"zero-signal groups": float(zero.sum()), "dropped groups": float(len(zero) - len(trained))})
+        return placed, metrics
 
     def _all_reduce_dp_cp(self, t: torch.Tensor) -> torch.Tensor:
         return self.trainer._all_reduce_dp_cp(t)
@@ -450,14 +477,15 @@ class RLTrainer:
 
     # ---- held-out evaluation (synchronous driver) -----------------------------------------
     def evaluate(self) -> Optional[dict]:
-        """Greedy episodes of `--eval-tasks` held-out tasks on the colocated engine (data-parallel ranks
+        """Greedy episodes of `--eval-tasks` held-out tasks (`--eval-task-file`: also pass@k) on the colocated engine (data-parallel ranks
         split them; every rank returns the same numbers), or None where the environment has none."""
         rl = self.rl
-        if not rl.rollout.eval_tasks:
+        if not (rl.rollout.eval_tasks or rl.environment.eval_task_file):
             return None
         self._need_engine()
         if self.eval_env is None:
-            self.eval_env = build_environment(rl, self.tokenizer, self.max_len, split="eval", count=rl.rollout.eval_tasks)
+            self.eval_env = build_environment(rl, self.tokenizer, self.max_len, split="eval",
+                                              count=rl.rollout.eval_tasks or None)
         self.model.eval()
         self.backend.start()
         try:

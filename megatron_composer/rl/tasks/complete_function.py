@@ -71,6 +71,11 @@ class CompleteFunctionTask:
         self.max_prompt_chars, self.split = max_prompt_chars, split
         self._prompts = None
 
+    @classmethod
+    def from_config(cls, environment, *, task_file=None) -> "CompleteFunctionTask":
+        """The embedded task takes no settings of `EnvironmentConfig` (nor a file)."""
+        return cls()
+
     def prompts(self) -> list[TaskPrompt]:
         if self._prompts is None:
             # Imported here: `...data` pulls in megatron-core and torch, which the light
