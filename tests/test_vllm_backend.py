@@ -130,14 +130,18 @@ def test_sampled_logprobs_n_samples_and_stop_token(served):
     assert cut.token_ids == group[0].token_ids[:first + 1] and cut.finish_reason == "stop"
 
 
+def _b_state(state):
+    g = torch.Generator().manual_seed(5)
+    return {k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in state.items()}
+
+
 def test_weights_pushed_a_then_b_then_a(served):
     """A -> B -> A: B's generations are our engine's on B (the fused-MoE experts too), A's come back
     token for token, and every token carries the version pushed."""
     prompts = _prompts()
     served.backend.update_weights(served.state, 0)
     a = served.backend.generate(prompts, GREEDY)
-    g = torch.Generator().manual_seed(5)
-    b_state = {k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in served.state.items()}
+    b_state = _b_state(served.state)
     assert served.backend.update_weights(b_state, 1) == 1
     b = served.backend.generate(prompts, GREEDY)
     assert [x.token_ids for x in b] != [x.token_ids for x in a]
@@ -148,6 +152,51 @@ def test_weights_pushed_a_then_b_then_a(served):
     _close(again, a, 1e-5)
     assert all(c.policy_versions == [2] * len(c.token_ids) for c in again)
     assert "weight push seconds" in served.backend.metrics()
+
+
+def test_mid_generation_update_changes_later_tokens_and_versions(served):
+    """--vllm-chunk-tokens 4, weights B pushed while a greedy sequence is in flight (after its first chunk):
+    its first 4 tokens are A's greedy continuation, tagged 0; the other 8 are what B generates continuing
+    from that prefix (our engine on B), tagged 1."""
+    import threading
+    import time
+
+    from megatron_composer.rl.vllm_backend import VLLMBackend
+    from megatron_composer.rl.vllm_server import VLLMConfig
+
+    prompt = _prompts()[1]
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=True)
+    chunked = VLLMBackend.connect(CFG, VLLMConfig(url=served.backend.url, chunk_tokens=4))
+    chunked.update_weights(served.state, 0)
+    b_state = _b_state(served.state)
+    send, requests, pushes = chunked.client.generate, [], []
+
+    def push_after_first_chunk(prompts, p):
+        """Runs inside the gate: B's push starts and waits there for this chunk, so it lands before the next."""
+        requests.append(list(prompts[0]))
+        out = send(prompts, p)
+        if not pushes:
+            pushes.append(threading.Thread(target=chunked.update_weights, args=(b_state, 1)))
+            pushes[0].start()
+            while not chunked._gate._swapping:
+                time.sleep(0.01)
+        return out
+
+    chunked.client.generate = push_after_first_chunk
+    try:
+        got = chunked.generate([prompt], params)[0]
+        pushes[0].join()
+    finally:
+        chunked.client.close()
+    a = served.ours(served.state, [prompt], params)[0]
+    b = served.ours(b_state, [prompt + a.token_ids[:4]], SamplingParams(max_tokens=8, temperature=0,
+                                                                        logprobs=True))[0]
+    assert got.token_ids[:4] == a.token_ids[:4]
+    assert got.token_ids[4:] == b.token_ids and b.token_ids != a.token_ids[4:]
+    assert got.policy_versions == [0] * 4 + [1] * 8 and got.finish_reason == "length"
+    torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(a.logprobs[:4] + b.logprobs), rtol=0,
+                               atol=1e-4)
+    assert requests == [prompt, prompt + got.token_ids[:4], prompt + got.token_ids[:8]]
 
 
 def _rl_trainer(tokenizer_model, **rl_fields):

@@ -118,6 +118,11 @@ def build_rl_parser():
     g.add_argument("--vllm-startup-timeout-s", type=float, default=d.vllm_startup_timeout_s)
     g.add_argument("--vllm-restarts", type=int, default=d.vllm_restarts,
                    help="times a vLLM server of this run that died is started again")
+    g.add_argument("--vllm-chunk-tokens", type=int, default=d.vllm_chunk_tokens,
+                   help="generate in requests of this many tokens, each continuing the sequence so far, so a "
+                        "weights push lands between two chunks of a sequence in flight and every token carries "
+                        "the version that sampled it (PipelineRL style); 0: one request per completion, a push "
+                        "waits for it")
     g.add_argument("--vllm-extra-args", default=d.vllm_extra_args, help="more vLLM server flags, space-separated")
 
     g = p.add_argument_group("agentic environment (--env agentic-coding)")
