@@ -10,6 +10,7 @@ killed by the last test.
 """
 import copy
 import os
+import re
 import signal
 
 import pytest
@@ -245,9 +246,76 @@ def test_rl_step_on_vllm_samples_is_the_engine_backends_step(served, data_dir):
     _close([served_now], ours.engine.generate([prompt], GREEDY), 1e-4)
 
 
+def test_async_rl_through_vllm_then_its_server_killed(served, data_dir, tmp_path, monkeypatch):
+    """--async-rl --rollout-backend vllm on a loopback Ray (one inference worker driving the module's server,
+    by --vllm-url, chunks of 4 tokens): each step's published weights are in the server when the next
+    groups launch (its greedy generations equal our engine's on the trainer's published weights, and the
+    samples are tagged with those versions); the server killed after step 2 stops the run with an error
+    naming the server, instead of relaunching groups against it, and no group failed before."""
+    ray = pytest.importorskip("ray")
+    from megatron_composer.inference.weight_sync import WeightSubscriber
+    from megatron_composer.rl.async_rl.runner import PUBLISH, AsyncRLRunner
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # a private loopback instance
+    argv = ["--async-rl", "--model-preset", "tiny-vllm", "--seq-length", "256", "--tokenizer-model",
+            str(data_dir / "tokenizer.model"), "--data-cache-dir", str(data_dir), "--group-size", "2",
+            "--prompts-per-step", "2", "--max-new-tokens", "8", "--lr", "1e-3", "--lr-warmup-iters", "0",
+            "--train-iters", "4", "--rl-micro-batch-tokens", "256", "--no-router-replay", "--synchronous-rollouts",
+            "--rollout-backend", "vllm", "--vllm-url", served.backend.url, "--vllm-chunk-tokens", "4"]
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    seen = []
+
+    def on_step(runner, row):
+        """The pushed weights (--synchronous-rollouts: in the server by now) serve our engine's tokens."""
+        seen.append(row)
+        update = ray.get(runner.trainers[0].snapshot.options(concurrency_group=PUBLISH).remote())
+        assert update.version == row["iteration"] == ray.get(runner.inference[0].version.remote())
+        state = WeightSubscriber().apply(update)
+        prompts = _prompts()[:2]
+        _close(served.backend.generate(prompts, GREEDY), served.ours(state, prompts), 1e-4)
+        if row["iteration"] == 2:
+            os.killpg(served.backend.server.pid, signal.SIGKILL)
+            served.backend.server.process.wait(30)
+
+    runner = None
+    try:
+        runner = AsyncRLRunner(argv, on_step=on_step)
+        url = re.escape(served.backend.url)
+        with pytest.raises(RuntimeError, match=rf"(?s)lost its vLLM server \(.*{url}.*so the run stops at step 2"):
+            runner.run()
+    finally:
+        if runner is not None:
+            runner.shutdown()
+        ray.shutdown()
+    assert [r["iteration"] for r in seen] == [1, 2] and all(r["groups failed"] == 0 for r in seen)
+    # --synchronous-rollouts: step 2's groups were launched after version 1 was in the server
+    assert seen[1]["staleness max"] == 0.0
+
+
+def test_async_vllm_flags():
+    """--async-rl --rollout-backend vllm parses (URLs split on commas); with --rollout-server, or router replay
+    on a MoE model, it is refused naming the fix."""
+    from megatron_composer.rl.arguments import parse_rl_args
+    from megatron_composer.rl.async_rl.vllm_service import check_router_replay, vllm_urls
+
+    run = parse_rl_args(["--async-rl", "--rollout-backend", "vllm", "--vllm-url", "http://a:1, http://b:2",
+                         "--vllm-chunk-tokens", "8"])
+    assert run.async_rl.enabled and vllm_urls(run.rl.vllm) == ["http://a:1", "http://b:2"]
+    assert run.rl.vllm.chunk_tokens == 8
+    with pytest.raises(ValueError, match="--rollout-server http://x:3.*drop one"):
+        parse_rl_args(["--async-rl", "--rollout-backend", "vllm", "--rollout-server", "http://x:3"])
+    with pytest.raises(ValueError, match="--vllm-chunk-tokens -1 must be >= 0"):
+        parse_rl_args(["--rollout-backend", "vllm", "--vllm-chunk-tokens", "-1"])
+    with pytest.raises(ValueError, match="--no-router-replay"):
+        check_router_replay(True, 2)
+    check_router_replay(True, 0)
+    check_router_replay(False, 2)
+
+
 def test_killed_server_is_a_clear_error(served):
     """Last: the server killed under the backend (restarts 0) -> RuntimeError naming the exit and the log."""
-    os.killpg(served.backend.server.pid, signal.SIGKILL)
+    if served.backend.server.alive():  # the async test may have killed it already
+        os.killpg(served.backend.server.pid, signal.SIGKILL)
     served.backend.server.process.wait(30)
     with pytest.raises(RuntimeError, match=r"vLLM server \(pid \d+.*exited with code -9.*log"):
         served.backend.generate(_prompts()[:1], GREEDY)

@@ -64,6 +64,8 @@ class TrainerWorker:
 
             run = parse_rl_args(list(run))
         self.run = dataclasses.replace(run, logging=LoggingConfig())
+        if run.rl.rollout.backend == "vllm":  # the inference workers drive vLLM; the trainer starts none
+            self.run = dataclasses.replace(self.run, rl=run.rl.replace(rollout_backend="engine"))
         p = run.parallel
         check_publishable(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                           p.expert_tensor_parallel_size)
@@ -261,8 +263,11 @@ class RayBackend(RolloutBackend):
     name = "ray"
     capabilities = BackendCapabilities(routed_experts=True, policy_versions=True)
 
-    def __init__(self, handle, timeout_s: Optional[float] = None):
+    def __init__(self, handle, timeout_s: Optional[float] = None,
+                 capabilities: Optional[BackendCapabilities] = None):
         self.handle, self.timeout_s = handle, timeout_s
+        if capabilities is not None:  # a vLLM worker's (`vllm_service.CAPABILITIES`)
+            self.capabilities = capabilities
 
     def generate(self, prompts, params):
         import ray
