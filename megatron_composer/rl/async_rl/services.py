@@ -358,7 +358,7 @@ class ServerSync:
     version bit-exact, as an inference worker does, so that it serves exactly the published bf16
     weights; a delta that does not follow its version is refused, and the runner then sends a
     snapshot. vLLM and SGLang load weights from a checkpoint in their own format instead; they are
-    refused here with that said.
+    refused here with that said (vLLM servers are driven by `vllm_service` workers instead).
     """
 
     def __init__(self, url: str):
@@ -368,7 +368,8 @@ class ServerSync:
         if self.client.flavor != "megatron-composer":
             raise ValueError(f"--rollout-server {url} is a {self.client.flavor} server, which loads weights "
                              f"from a checkpoint in its own format; in-flight pushes of each step's weights go "
-                             f"to our server (python -m megatron_composer.inference.server --load ...)")
+                             f"to our server (python -m megatron_composer.inference.server --load ...), or to "
+                             f"vLLM servers through --rollout-backend vllm --vllm-url URL[,URL...]")
         self._version: Optional[int] = None
 
     def pid(self) -> int:
