@@ -313,9 +313,12 @@ def test_async_vllm_flags():
 
 
 def test_killed_server_is_a_clear_error(served):
-    """Last: the server killed under the backend (restarts 0) -> RuntimeError naming the exit and the log."""
+    """Last: the server killed under the backend (restarts 0) -> RuntimeError naming the exit and the log, for a
+    request and for a weights push alike."""
     if served.backend.server.alive():  # the async test may have killed it already
         os.killpg(served.backend.server.pid, signal.SIGKILL)
     served.backend.server.process.wait(30)
     with pytest.raises(RuntimeError, match=r"vLLM server \(pid \d+.*exited with code -9.*log"):
         served.backend.generate(_prompts()[:1], GREEDY)
+    with pytest.raises(RuntimeError, match=r"vLLM server \(pid \d+.*exited with code -9.*log"):
+        served.backend.update_weights(served.state, 9)

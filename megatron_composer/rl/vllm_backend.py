@@ -312,26 +312,37 @@ class VLLMBackend(RolloutBackend):
                              f"{type(source).__name__}")
         from safetensors.torch import save, save_file
 
+        import httpx
+
         started = time.perf_counter()
         _, tensors = hf_files(self.model_cfg, source, self.dtype)
         tensors = _unshared(tensors)
-        with self._gate.swapping():
-            if self.server is not None:  # this host: through shared memory, kept for a restart
-                fd, path = tempfile.mkstemp(suffix=".safetensors", dir=_SHM if os.path.isdir(_SHM) else None)
-                os.close(fd)
-                try:
-                    save_file(tensors, path)
-                    self._rpc("load_hf_weights", "path", path)
-                except BaseException:
-                    os.unlink(path)
-                    raise
-                self._forget_last_push()
-                self.last_push = path
-            else:
-                self._rpc("load_hf_weights", "b64", base64.b64encode(save(tensors)).decode())
-            self.version = new
+        while True:  # a server of ours that died is restarted (`_recover`) and the push sent again
+            starts = self.server.starts if self.server is not None else 0
+            try:
+                with self._gate.swapping():
+                    self._push(tensors, save, save_file)
+                    self.version = new
+                break
+            except (httpx.HTTPError, RuntimeError) as error:
+                self._recover(error, starts)
         self.push_seconds.append(time.perf_counter() - started)
         return new
+
+    def _push(self, tensors: dict, save, save_file) -> None:
+        if self.server is not None:  # this host: through shared memory, kept for a restart
+            fd, path = tempfile.mkstemp(suffix=".safetensors", dir=_SHM if os.path.isdir(_SHM) else None)
+            os.close(fd)
+            try:
+                save_file(tensors, path)
+                self._rpc("load_hf_weights", "path", path)
+            except BaseException:
+                os.unlink(path)
+                raise
+            self._forget_last_push()
+            self.last_push = path
+        else:
+            self._rpc("load_hf_weights", "b64", base64.b64encode(save(tensors)).decode())
 
     def _rpc(self, method: str, *args: str):
         """POST /collective_rpc (the server's dev routes); ValueError naming the fix when they are missing."""
