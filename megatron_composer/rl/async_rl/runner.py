@@ -134,7 +134,7 @@ class AsyncRLRunner:
             self.inference = [ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)(ServerSync).options(
                 max_concurrency=1).remote(args.rollout_server)]
         elif self.vllm:  # each worker drives a vLLM server: its own, or one per --vllm-url
-            self.inference = start_workers(ray, rl, args.inference_workers, info, self._snapshot(),
+            self.inference = start_workers(ray, rl, args.inference_workers, info,
                                            lambda i: actor_options(self.groups, "inference", i))
         else:
             self.inference = [infer_cls.options(

@@ -1,11 +1,11 @@
 """`--async-rl --rollout-backend vllm`: an inference worker that drives a vLLM server.
 
-    VLLMInferenceWorker(model_config, max_model_len=..., vllm=VLLMConfig(...), snapshot=update)
+    VLLMInferenceWorker(model_config, max_model_len=..., vllm=VLLMConfig(...), url=None)
 
 The same calls as `services.InferenceWorker` (`update_weights`, `generate`,
 `version`, `stats`), so the driver and the environment workers do not tell
 them apart. Each worker owns one vLLM server: one it starts itself on the
-first weights it is given (the `snapshot`), or the one at its `--vllm-url`
+first weights it is given (the driver's first snapshot), or the one at its `--vllm-url`
 (one worker per URL). Every published policy version is pushed into that
 server as it arrives (`VLLMBackend.update_weights`), so with
 `--vllm-chunk-tokens K` the sequences in flight continue under the new weights
@@ -53,7 +53,7 @@ class VLLMInferenceWorker:
     """One vLLM server behind the inference worker's calls (module docstring)."""
 
     def __init__(self, model_config: dict, *, max_model_len: int, vllm: VLLMConfig, url: Optional[str] = None,
-                 snapshot=None, threads: int = 1):
+                 threads: int = 1):
         from ...convert.config import model_config_from_dict
         from ...inference.weight_sync import WeightSubscriber
 
@@ -69,8 +69,6 @@ class VLLMInferenceWorker:
         self._lock = threading.Lock()  # the stats below, from concurrent generate calls
         self._active, self._busy_since, self.busy_seconds, self.generated_tokens = 0, 0.0, 0.0, 0
         self.started = time.perf_counter()
-        if snapshot is not None:
-            self.update_weights(snapshot)
 
     def pid(self) -> int:
         return os.getpid()
@@ -172,10 +170,10 @@ class VLLMInferenceWorker:
 
 
 # ---- the driver's side (`runner.AsyncRLRunner`) ----------------------------------------------
-def start_workers(ray, rl, inference_workers: int, info: dict, snapshot, options) -> list:
-    """One `VLLMInferenceWorker` actor per --vllm-url, else `inference_workers` of them, each starting its
-    server on `snapshot` (a ref to the newest full update) while the rest of the run starts up;
-    `options(i)`: worker i's placement."""
+def start_workers(ray, rl, inference_workers: int, info: dict, options) -> list:
+    """One `VLLMInferenceWorker` actor per --vllm-url, else `inference_workers` of them; each starts its
+    server on the first snapshot the driver sends (`sync_all`, also after Ray restarted it); `options(i)`:
+    worker i's placement."""
     from ...convert.config import model_config_from_dict
 
     check_router_replay(rl.algorithm.router_replay, model_config_from_dict(info["model_config"]).num_moe_layers)
@@ -184,7 +182,7 @@ def start_workers(ray, rl, inference_workers: int, info: dict, snapshot, options
     threads = max(1, (os.cpu_count() or 1) // (2 * len(urls)))
     return [worker.options(max_concurrency=4 * rl.rollout.group_size * rl.rollout.prompts_per_step + 8,
                            **options(i)).remote(info["model_config"], max_model_len=info["seq_length"],
-                                                vllm=rl.vllm, url=url, snapshot=snapshot, threads=threads)
+                                                vllm=rl.vllm, url=url, threads=threads)
             for i, url in enumerate(urls)]
 
 
