@@ -138,6 +138,11 @@ def build_rl_parser():
     g.add_argument("--vllm-startup-timeout-s", type=float, default=d.vllm_startup_timeout_s)
     g.add_argument("--vllm-restarts", type=int, default=d.vllm_restarts,
                    help="times a vLLM server of this run that died is started again")
+    g.add_argument("--vllm-chunk-tokens", type=int, default=d.vllm_chunk_tokens,
+                   help="generate in requests of this many tokens, each continuing the sequence so far, so a "
+                        "weights push lands between two chunks of a sequence in flight and every token carries "
+                        "the version that sampled it (PipelineRL style); 0: one request per completion, a push "
+                        "waits for it")
     g.add_argument("--vllm-extra-args", default=d.vllm_extra_args, help="more vLLM server flags, space-separated")
 
     g = p.add_argument_group("agentic environment (--env agentic-coding)")
@@ -241,10 +246,9 @@ def parse_rl_args(argv: Optional[list[str]] = None) -> RLRunConfig:
     if rl.algorithm.micro_batch_tokens < args.seq_length:
         raise ValueError(f"--rl-micro-batch-tokens {rl.algorithm.micro_batch_tokens} is below --seq-length "
                          f"{args.seq_length}: a sample of full length would fit no micro-batch")
-    if rl.rollout.backend == "vllm" and (args.async_rl or args.ray_address is not None):
-        raise ValueError("--rollout-backend vllm samples in the synchronous loop (weights pushed after every "
-                         "step); --async-rl samples on Ray inference workers of our engine or --rollout-server "
-                         "(our server); drop one of the two")
+    if rl.rollout.backend == "vllm" and args.rollout_server:
+        raise ValueError(f"--rollout-backend vllm with --rollout-server {args.rollout_server}: the vLLM servers "
+                         "are the inference workers' (their own, or --vllm-url URL[,URL...]); drop one of the two")
     async_rl = AsyncConfig(**{f: getattr(args, f) for f in AsyncConfig.__dataclass_fields__ if f != "enabled"},
                            enabled=args.async_rl or args.ray_address is not None)
     return RLRunConfig(training=cfg, rl=rl, model=ModelSource.from_args(args), parallel=ParallelSizes.from_args(args),

@@ -61,6 +61,7 @@ from .gather import check_publishable
 from .placement import ServiceLayout, actor_options, plan_placement, release, reserve
 from .reconciler import Reconciler, decode_state, encode_state, token_lags
 from .services import EnvWorker, Evaluator, InferenceWorker, RayBackend, RolloutSpec, ServerSync, TrainerWorker
+from .vllm_service import CAPABILITIES as VLLM_CAPABILITIES, check_servers, close_workers, start_workers
 
 SERVICES_FILE = "async_rl_services.json"  # which process is which service (pids, for operators and tests)
 PUBLISH = "publish"  # the trainer actors' concurrency group of `published` and `snapshot`
@@ -122,7 +123,8 @@ class AsyncRLRunner:
         self.version, self.train_iters = info["iteration"], info["train_iters"]
         spec = RolloutSpec(rl, info["tokenizer_model"], info["seq_length"], info["seed"], info["tasks"],
                            long_tail=args.rollout_long_tail, server_url=args.rollout_server)
-        if placement.gpus and args.inference_workers and not args.rollout_server:
+        self.vllm = rl.rollout.backend == "vllm"
+        if placement.gpus and args.inference_workers and not args.rollout_server and not self.vllm:
             # a whole model per GPU: refuse one that cannot fit, on the first inference worker's GPU
             ray.get(ray.remote(**actor_options(self.groups, "inference", 0))(check_local_inference_worker).remote(
                 info["model_config"], info["seq_length"], rl.rollout.rollout_batch_size))
@@ -131,6 +133,9 @@ class AsyncRLRunner:
         if args.rollout_server:  # an external server of ours; the driver pushes its weights
             self.inference = [ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)(ServerSync).options(
                 max_concurrency=1).remote(args.rollout_server)]
+        elif self.vllm:  # each worker drives a vLLM server: its own, or one per --vllm-url
+            self.inference = start_workers(ray, rl, args.inference_workers, info,
+                                           lambda i: actor_options(self.groups, "inference", i))
         else:
             self.inference = [infer_cls.options(
                 max_concurrency=4 * rl.rollout.group_size * rl.rollout.prompts_per_step + 8,
@@ -140,7 +145,8 @@ class AsyncRLRunner:
         env_cls = ray.remote(**restart)(EnvWorker)
         self.envs = [env_cls.options(max_concurrency=4 * rl.rollout.prompts_per_step + 4).remote(
             spec, None if args.rollout_server else
-            RayBackend(self.inference[i % len(self.inference)], timeout_s=args.group_timeout_s))
+            RayBackend(self.inference[i % len(self.inference)], timeout_s=args.group_timeout_s,
+                       capabilities=VLLM_CAPABILITIES if self.vllm else None))
             for i in range(args.env_workers)]
         self.evaluator = None
         if evaluated:
@@ -164,6 +170,13 @@ class AsyncRLRunner:
                        f"{', synchronous rollouts' if args.synchronous_rollouts else ''}; "
                        + (f"resuming at step {self.version}" if self.version else "starting at step 0")
                        + (f" with {len(self.reconciler.ready)} ready groups" if info["buffer"] else ""))
+
+    def _check_vllm_servers(self) -> None:
+        """After a failed group or push: a vLLM server that cannot serve any more stops the run."""
+        failure = check_servers(self.ray, self.inference) if self.vllm else None
+        if failure:
+            raise RuntimeError(f"{failure}, so the run stops at step {self.version} ({len(self.reconciler.ready)} "
+                               "completed groups not yet trained; resume from the last checkpoint with --load)")
 
     def write_services(self) -> dict:
         """{service kind: [pid, ...]} of the actors now, also written to `--save`/async_rl_services.json."""
@@ -297,6 +310,7 @@ class AsyncRLRunner:
                     try:
                         rec.complete(ray.get(ref))
                     except (ray.exceptions.RayError, RuntimeError, ValueError) as exc:
+                        self._check_vllm_servers()
                         self.log.print(f" group {gid} lost ({type(exc).__name__}): launched again")
                         rec.failed(gid)
                         self.sync_all()
@@ -387,6 +401,7 @@ class AsyncRLRunner:
             except ray.exceptions.RayError:
                 if self.dead_trainers():  # the update's source is gone: a snapshot would fail the same way
                     raise
+                self._check_vllm_servers()  # a push into a dead vLLM server stops the run
                 ok = False  # the subscriber died; Ray restarts it without weights
             if not ok and w not in behind:
                 behind.append(w)
@@ -455,7 +470,10 @@ class AsyncRLRunner:
         return self.report.plot()
 
     def shutdown(self) -> None:
-        """Kill every actor (a trainer rank hung in a collective too) and free the placement groups."""
+        """Kill every actor (a trainer rank hung in a collective too) and free the placement groups; the
+        vLLM servers the inference workers started are stopped first (they run in sessions of their own)."""
+        if self.vllm:
+            close_workers(self.ray, self.inference, self.log.print)
         for actor in self.trainers + self.inference + self.envs + ([self.evaluator] if self.evaluator else []):
             self.ray.kill(actor, no_restart=True)
         release(self.groups)
