@@ -246,12 +246,22 @@ def test_rl_step_on_vllm_samples_is_the_engine_backends_step(served, data_dir):
     _close([served_now], ours.engine.generate([prompt], GREEDY), 1e-4)
 
 
+def _saved_ready_groups(iteration_dir) -> int:
+    """How many completed, untrained groups the async checkpoint's reconciler buffer holds (read here with
+    torch.load, not through the reconciler)."""
+    import io
+
+    with open(iteration_dir / "rl_buffer.pt", "rb") as f:
+        return len(torch.load(io.BytesIO(f.read()), weights_only=True)["ready"])
+
+
 def test_async_rl_through_vllm_then_its_server_killed(served, data_dir, tmp_path, monkeypatch):
     """--async-rl --rollout-backend vllm on a loopback Ray (one inference worker driving the module's server,
     by --vllm-url, chunks of 4 tokens): each step's published weights are in the server when the next
     groups launch (its greedy generations equal our engine's on the trainer's published weights, and the
     samples are tagged with those versions); the server killed after step 2 stops the run with an error
-    naming the server, instead of relaunching groups against it, and no group failed before."""
+    naming the server, instead of relaunching groups against it, no group failed before, and the
+    completed groups not yet trained are saved with step 2's weights, in the checkpoint the error names."""
     ray = pytest.importorskip("ray")
     from megatron_composer.inference.weight_sync import WeightSubscriber
     from megatron_composer.rl.async_rl.runner import PUBLISH, AsyncRLRunner
@@ -261,7 +271,8 @@ def test_async_rl_through_vllm_then_its_server_killed(served, data_dir, tmp_path
             str(data_dir / "tokenizer.model"), "--data-cache-dir", str(data_dir), "--group-size", "2",
             "--prompts-per-step", "2", "--max-new-tokens", "8", "--lr", "1e-3", "--lr-warmup-iters", "0",
             "--train-iters", "4", "--rl-micro-batch-tokens", "256", "--no-router-replay", "--synchronous-rollouts",
-            "--rollout-backend", "vllm", "--vllm-url", served.backend.url, "--vllm-chunk-tokens", "4"]
+            "--rollout-backend", "vllm", "--vllm-url", served.backend.url, "--vllm-chunk-tokens", "4",
+            "--save", str(tmp_path / "rl")]
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     seen = []
 
@@ -281,13 +292,20 @@ def test_async_rl_through_vllm_then_its_server_killed(served, data_dir, tmp_path
     try:
         runner = AsyncRLRunner(argv, on_step=on_step)
         url = re.escape(served.backend.url)
-        with pytest.raises(RuntimeError, match=rf"(?s)lost its vLLM server \(.*{url}.*so the run stops at step 2"):
+        with pytest.raises(RuntimeError, match=rf"(?s)lost its vLLM server \(.*{url}.*so the run stops at step 2; "
+                                               rf"saved {re.escape(str(tmp_path / 'rl' / 'iter_0000002'))} with the "
+                                               rf"(\d+) completed groups.*resume with --load") as stopped:
             runner.run()
     finally:
         if runner is not None:
             runner.shutdown()
         ray.shutdown()
     assert [r["iteration"] for r in seen] == [1, 2] and all(r["groups failed"] == 0 for r in seen)
+    # the completed groups not yet trained are in the checkpoint the error names, for the resume
+    with open(tmp_path / "rl" / "latest_checkpointed_iteration.txt") as f:
+        assert f.read().strip() == "2"
+    saved = re.search(r"with the (\d+) completed groups", str(stopped.value)).group(1)
+    assert int(saved) == _saved_ready_groups(tmp_path / "rl" / "iter_0000002")
     # --synchronous-rollouts: step 2's groups were launched after version 1 was in the server
     assert seen[1]["staleness max"] == 0.0
 

@@ -63,6 +63,10 @@ from .reconciler import Reconciler, decode_state, encode_state, token_lags
 from .services import EnvWorker, Evaluator, InferenceWorker, RayBackend, RolloutSpec, ServerSync, TrainerWorker
 from .vllm_service import CAPABILITIES as VLLM_CAPABILITIES, check_servers, close_workers, start_workers
 
+class ServerLost(RuntimeError):
+    """A vLLM server that cannot serve any more (past --vllm-restarts, or a --vllm-url one that stopped)."""
+
+
 SERVICES_FILE = "async_rl_services.json"  # which process is which service (pids, for operators and tests)
 PUBLISH = "publish"  # the trainer actors' concurrency group of `published` and `snapshot`
 
@@ -172,11 +176,26 @@ class AsyncRLRunner:
                        + (f" with {len(self.reconciler.ready)} ready groups" if info["buffer"] else ""))
 
     def _check_vllm_servers(self) -> None:
-        """After a failed group or push: a vLLM server that cannot serve any more stops the run."""
+        """After a failed group or push: a vLLM server that cannot serve any more stops the run
+        (`ServerLost`, which `_run` turns into a save and an error)."""
         failure = check_servers(self.ray, self.inference) if self.vllm else None
         if failure:
-            raise RuntimeError(f"{failure}, so the run stops at step {self.version} ({len(self.reconciler.ready)} "
-                               "completed groups not yet trained; resume from the last checkpoint with --load)")
+            raise ServerLost(failure)
+
+    def _stop_for_lost_server(self, exc: "ServerLost", training, others: list, started: float) -> RuntimeError:
+        """Finish the step in flight, save the weights with the completed groups not yet trained (the
+        reconciler's buffer), and say where: no completed group is lost to a dead server."""
+        if training is not None:
+            self.pushes += self._finish_step(training, started)
+        self._on_every_rank(others)
+        ready = len(self.reconciler.ready)
+        if not self.save_dir:
+            return RuntimeError(f"{exc}, so the run stops at step {self.version}; nothing is saved (no --save): "
+                                f"{ready} completed groups not yet trained are lost")
+        self.save()
+        where = os.path.join(self.save_dir, f"iter_{self.version:07d}")
+        return RuntimeError(f"{exc}, so the run stops at step {self.version}; saved {where} with the {ready} "
+                            f"completed groups not yet trained; resume with --load {self.save_dir}")
 
     def write_services(self) -> dict:
         """{service kind: [pid, ...]} of the actors now, also written to `--save`/async_rl_services.json."""
@@ -285,42 +304,45 @@ class AsyncRLRunner:
         if self.evaluator is not None:
             evals.append(self.evaluator.evaluate.remote())
             evaluated = self.version
-        while self.version < self.train_iters:
-            for gid in rec.to_launch(self.version, trainer_busy=training is not None):
-                env = self.envs[gid % len(self.envs)]
-                pending[env.run_group.remote(gid, self.version)] = (gid, env, time.monotonic())
-            if training is None:
-                batch = rec.take_batch(self.version)
-                if batch is not None:
-                    lags = token_lags(batch, self.version)
-                    batch_ref = ray.put(batch)
-                    calls = [t.train_step.remote(batch_ref) for t in self.trainers]
-                    training, others = (calls[0], lags, time.perf_counter()), calls[1:]
-            waiting = list(pending) + ([training[0]] if training else []) + others
-            done, _ = ray.wait(waiting, num_returns=1, timeout=1.0)
-            for ref in done:
-                if training is not None and ref == training[0]:
-                    self.pushes += self._finish_step(training, started)
-                    training = None
-                elif ref in others:
-                    others.remove(ref)
-                    ray.get(ref)  # raises a dead rank's error now, not when rank 0 gives up on it
-                else:
-                    gid, _, _ = pending.pop(ref)
-                    try:
-                        rec.complete(ray.get(ref))
-                    except (ray.exceptions.RayError, RuntimeError, ValueError) as exc:
-                        self._check_vllm_servers()
-                        self.log.print(f" group {gid} lost ({type(exc).__name__}): launched again")
-                        rec.failed(gid)
-                        self.sync_all()
-            self._expire(pending)
-            self.pushes = self._check_pushes(self.pushes)
-            if self.evaluator is not None and rl.rollout.eval_interval and self.version % rl.rollout.eval_interval == 0 and \
-                    evaluated != self.version:
-                evals.append(self.evaluator.evaluate.remote())  # queued behind this version's weights
-                evaluated = self.version
-            evals = self._collect_evals(evals, wait=False)
+        try:
+            while self.version < self.train_iters:
+                for gid in rec.to_launch(self.version, trainer_busy=training is not None):
+                    env = self.envs[gid % len(self.envs)]
+                    pending[env.run_group.remote(gid, self.version)] = (gid, env, time.monotonic())
+                if training is None:
+                    batch = rec.take_batch(self.version)
+                    if batch is not None:
+                        lags = token_lags(batch, self.version)
+                        batch_ref = ray.put(batch)
+                        calls = [t.train_step.remote(batch_ref) for t in self.trainers]
+                        training, others = (calls[0], lags, time.perf_counter()), calls[1:]
+                waiting = list(pending) + ([training[0]] if training else []) + others
+                done, _ = ray.wait(waiting, num_returns=1, timeout=1.0)
+                for ref in done:
+                    if training is not None and ref == training[0]:
+                        self.pushes += self._finish_step(training, started)
+                        training = None
+                    elif ref in others:
+                        others.remove(ref)
+                        ray.get(ref)  # raises a dead rank's error now, not when rank 0 gives up on it
+                    else:
+                        gid, _, _ = pending.pop(ref)
+                        try:
+                            rec.complete(ray.get(ref))
+                        except (ray.exceptions.RayError, RuntimeError, ValueError) as exc:
+                            self._check_vllm_servers()
+                            self.log.print(f" group {gid} lost ({type(exc).__name__}): launched again")
+                            rec.failed(gid)
+                            self.sync_all()
+                self._expire(pending)
+                self.pushes = self._check_pushes(self.pushes)
+                if self.evaluator is not None and rl.rollout.eval_interval and \
+                        self.version % rl.rollout.eval_interval == 0 and evaluated != self.version:
+                    evals.append(self.evaluator.evaluate.remote())  # queued behind this version's weights
+                    evaluated = self.version
+                evals = self._collect_evals(evals, wait=False)
+        except ServerLost as exc:
+            raise self._stop_for_lost_server(exc, training, others, started) from None
         for ref in pending:  # the last step's spare rollouts: not needed
             ray.cancel(ref)
         if self.evaluator is not None and evaluated != self.version:
