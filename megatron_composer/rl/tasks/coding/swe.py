@@ -241,7 +241,8 @@ def _read_tarball(path: Path) -> _Entries:
                 if member.issym():
                     entries.links[rel] = member.linkname
                 elif member.islnk():  # a hard link names another member, from the archive's root
-                    entries.links[rel] = "/".join([".."] * rel.count("/") + [_relative(member.linkname, "hard link target")])
+                    target = _relative(member.linkname, "hard link target")
+                    entries.links[rel] = "/".join([".."] * rel.count("/") + [target])
                 elif member.isreg():
                     if member.size > MAX_REPO_BYTES:
                         raise BadRecord(f"archive member {_short(rel)} is over {MAX_REPO_BYTES} bytes; remove it")
@@ -507,7 +508,8 @@ def run_swe_tests(task: SweTask, workspace: Path, *, sandbox_kwargs: Optional[di
         result = Sandbox(root, **kwargs).run(cmd)
         output = result.stdout + (("\n" + result.stderr) if result.stderr.strip() else "")
         if notes:
-            output = "not copied for verification: " + ", ".join(notes[:10]) + ("" if len(notes) <= 10 else ", ...") + "\n" + output
+            shown = ", ".join(notes[:10]) + ("" if len(notes) <= 10 else ", ...")
+            output = f"not copied for verification: {shown}\n{output}"
         passed: set[str] = set()
         data = None if result.timed_out else _read_regular(str(root / report), 8 << 20)
         if data:
