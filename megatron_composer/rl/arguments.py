@@ -148,8 +148,13 @@ def build_rl_parser():
     g = p.add_argument_group("agentic environment (--env agentic-coding)")
     g.add_argument("--env", choices=sorted(ENVIRONMENTS), default=d.env,
                    help="single-turn: one completion scored by --task; agentic-coding: tool use in a sandbox")
-    g.add_argument("--task-families", default=d.task_families,
-                   help="comma list of coding task families (rl/tasks/coding), e.g. write-file,fix-bug")
+    g.add_argument("--task-families", default=None,
+                   help="comma list of coding task families (rl/tasks/coding), e.g. write-file,fix-bug "
+                        f"(default: swe with --swe-task-file, else {d.task_families})")
+    g.add_argument("--swe-task-file", default=d.swe_task_file,
+                   help="SWE-bench style instances (JSONL: instance_id, repo_dir, base_commit, problem_statement, "
+                        "FAIL_TO_PASS, PASS_TO_PASS, test_cmd) for the swe family (rl/tasks/coding/swe.py); "
+                        "implies --task-families swe")
     g.add_argument("--max-turns", type=int, default=d.max_turns, help="model turns per trajectory")
     g.add_argument("--token-budget", type=int, default=d.token_budget,
                    help="generated tokens per trajectory (default: max-turns x max-new-tokens)")
@@ -222,6 +227,8 @@ def parse_rl_args(argv: Optional[list[str]] = None) -> RLRunConfig:
     args.stage = "rl"
     if args.task is None:
         args.task = "code-tests" if args.task_file else _FlatDefaults().task
+    if args.task_families is None:
+        args.task_families = "swe" if args.swe_task_file else _FlatDefaults().task_families
     for flag in ("max_inflight_groups", "trainer_ranks", "inference_workers", "env_workers"):
         value = getattr(args, flag)
         if value is not None and value < 1:
