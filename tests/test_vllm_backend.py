@@ -246,6 +246,29 @@ def test_rl_step_on_vllm_samples_is_the_engine_backends_step(served, data_dir):
     _close([served_now], ours.engine.generate([prompt], GREEDY), 1e-4)
 
 
+def test_ten_synchronous_steps_through_vllm_train_and_write_the_reward_curve(served, data_dir, tmp_path):
+    """train_rl.py --rollout-backend vllm (the module's server by --vllm-url) runs 10 synchronous steps: a row
+    per step with router replay off and a gradient, and the reward curve is written."""
+    import json
+
+    from megatron_composer.rl.train import train_rl
+
+    save = tmp_path / "rl"
+    trainer = train_rl(["--model-preset", "tiny-vllm", "--seq-length", "256", "--tokenizer-model",
+                        str(data_dir / "tokenizer.model"), "--data-cache-dir", str(data_dir), "--group-size", "2",
+                        "--prompts-per-step", "2", "--max-new-tokens", "8", "--lr", "1e-3", "--lr-warmup-iters",
+                        "0", "--train-iters", "10", "--rl-micro-batch-tokens", "256", "--no-router-replay",
+                        "--rollout-backend", "vllm", "--vllm-url", served.backend.url, "--save", str(save),
+                        "--save-interval", "10"])
+    with open(save / "rl_steps.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    assert [r["iteration"] for r in rows] == list(range(1, 11))
+    assert all(r["router replay"] == 0.0 for r in rows)
+    assert (save / "reward_curve.png").stat().st_size > 0
+    assert all(r["grad norm"] > 0 for r in rows)  # every step updates the weights
+    assert trainer.trainer.state.iteration == 10
+
+
 def _saved_ready_groups(iteration_dir) -> int:
     """How many completed, untrained groups the async checkpoint's reconciler buffer holds (read here with
     torch.load, not through the reconciler)."""
