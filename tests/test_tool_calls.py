@@ -47,7 +47,7 @@ def test_closing_tag_inside_a_json_string_does_not_end_the_block():
     ('{"name": "a", "arguments": [1]}', '"arguments" is a JSON list'),
     ('{"name": 3, "arguments": {}}', '"name" is 3'),
     ('{"name": "a", "arguments": {}, "id": 1}', "keys ['arguments', 'id', 'name']"),
-    ('["a", {}]', "the call is a JSON list"),
+    ('["a", {}]', "entry 1 of the call list: the call is a JSON str"),
     ("{'name': 'a', 'arguments': {}}", "not valid JSON"),
     ('{"name": "a", "arguments": {"x": NaN}}', "NaN is not JSON"),
     ('{"name": "a", "arguments": {}} and more', "text follows the JSON object"),

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_composer.data.tool_calls import ToolCall, format_tool_call, tool_call_blocks
+from megatron_composer.data.tool_calls import MAX_CALLS_PER_MESSAGE, ToolCall, format_tool_call, tool_call_blocks
 from megatron_composer.rl.tools import MISUSE_KINDS, TOOLS, ToolSet, ToolTurn, misuse_counts
 
 FUZZ = settings(max_examples=150, deadline=None, derandomize=True,
@@ -70,12 +70,13 @@ def check_turn(text: str, turn: ToolTurn, tools: ToolSet) -> None:
         assert [e.misuse for e in turn.events] == ["no_tool_call"] and turn.finished
         return
     events = iter(turn.events)
-    for block in blocks:
+    items = [call for block in blocks for call in (block.calls if block.problem is None else [None])]
+    for call in items[:MAX_CALLS_PER_MESSAGE]:  # a reply with more calls is cut (test_call_lists)
         event = next(events)
-        if block.call is None:
+        if call is None:
             assert event.misuse == "malformed" and not event.ok
             continue
-        name, arguments = block.call.name, block.call.arguments
+        name, arguments = call.name, call.arguments
         if name not in tools.names:
             assert event.misuse == "unknown_tool" and not event.ok
         elif not arguments_are_valid(name, arguments):
@@ -87,6 +88,8 @@ def check_turn(text: str, turn: ToolTurn, tools: ToolSet) -> None:
                 assert turn.finished and turn.final_message == arguments["message"]
                 assert [e.misuse for e in events] == (["unfinished_todo"] if tools.open_todo_items() else [])
                 return
+    if sum(c is not None for c in items) > MAX_CALLS_PER_MESSAGE:
+        return
     assert next(events, None) is None and not turn.finished
 
 
