@@ -16,6 +16,7 @@ from megatron_composer.rl.batches import RolloutSample, pack_samples
 from megatron_composer.rl.sft_trajectories import (
     expert_conversation,
     expert_steps,
+    step_text,
     write_sft_jsonl,
 )
 from megatron_composer.rl.tasks.coding import FAMILIES, load_tasks
@@ -26,7 +27,7 @@ CONFIG = AgentConfig(max_context_tokens=16384, max_turn_tokens=4096, max_observa
 
 
 def _expert_script(task) -> list[str]:
-    return [format_tool_call(name, args) for name, args in expert_steps(task)]
+    return [step_text(step) for step in expert_steps(task)]
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +73,16 @@ def test_expert_trajectories_solve_every_family(family, tmp_path):
     assert messages[0]["role"] == "system" and messages[1] == {"role": "user", "content": task.instruction}
     assert [m["role"] for m in messages[2:]] == ["assistant", "user"] * ((len(messages) - 3) // 2) + ["assistant"]
     assert json.loads(messages[-1]["content"][len("<tool_call>"):-len("</tool_call>")])["name"] == "finish"
+
+
+@pytest.mark.parametrize("family", ["set-constant", "fix-bug"])
+def test_expert_reads_the_files_it_needs_in_one_message(family, tmp_path):
+    task = load_tasks([family], "train", count=1)[0]
+    assert len(task.reads) == 2
+    messages = expert_conversation(task, workdir=str(tmp_path))
+    reads = [{"name": "read_file", "arguments": {"path": p}} for p in task.reads]
+    assert json.loads(messages[2]["content"][len("<tool_call>"):-len("</tool_call>")]) == reads
+    assert messages[3]["content"].count('<tool_response name="read_file">') == 2
 
 
 def test_sft_jsonl_is_readable_by_the_sft_stage(tmp_path):

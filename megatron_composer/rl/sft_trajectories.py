@@ -2,7 +2,8 @@
 
 Before RL a small model has to know the tool format. For each task this
 plays an expert through the real tools, on a real workspace: read the files
-the task names (`CodingTask.reads`), apply the reference solution
+the task names (`CodingTask.reads`; all of them in one reply, as a list of
+calls, since no read depends on another), apply the reference solution
 (`write_file` for a whole file, `edit_file` for a search/replace), run the
 tests (families with tests in the workspace), then `finish` with a short
 message. Feature-deletion trajectories also keep a to-do list. Every
@@ -29,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ..data.tool_calls import format_tool_call
+from ..data.tool_calls import MAX_CALLS_PER_MESSAGE, format_tool_call, format_tool_calls
 from .agent import system_prompt
 from .agentic import test_report
 from .sandbox import Sandbox
@@ -41,27 +42,40 @@ _RUNS_TESTS = ("set-constant", "fix-bug", "feature-deletion")
 _KEEPS_TODO = ("feature-deletion",)
 
 
-def expert_steps(task: CodingTask) -> list[tuple[str, dict]]:
-    """The expert's calls for `task`, in order, ending with finish."""
+Step = list[tuple[str, dict]]  # the calls of one assistant message, in order
+
+
+def expert_steps(task: CodingTask) -> list[Step]:
+    """The expert's messages for `task`, each a list of (tool, arguments), ending with finish.
+
+    The reads are independent of each other, so they share one message (in lists of at most
+    MAX_CALLS_PER_MESSAGE); every edit, test run and to-do update is a message of its own,
+    since what comes next depends on its result."""
     edited = sorted({e.path for e in task.solution})
-    steps: list[tuple[str, dict]] = []
+    steps: list[Step] = []
     todo = [{"text": f"reimplement the removed code in {p}", "done": False} for p in edited]
     if task.family in _KEEPS_TODO:
-        steps.append(("todo", {"items": todo}))
-    steps += [("read_file", {"path": p}) for p in task.reads]
+        steps.append([("todo", {"items": todo})])
+    reads = [("read_file", {"path": p}) for p in task.reads]
+    steps += [reads[i:i + MAX_CALLS_PER_MESSAGE] for i in range(0, len(reads), MAX_CALLS_PER_MESSAGE)]
     for e in task.solution:
-        steps.append(("write_file", {"path": e.path, "content": e.replace}) if e.search is None else
-                     ("edit_file", {"path": e.path, "search": e.search, "replace": e.replace}))
+        steps.append([("write_file", {"path": e.path, "content": e.replace}) if e.search is None else
+                      ("edit_file", {"path": e.path, "search": e.search, "replace": e.replace})])
     if task.family in _RUNS_TESTS:
-        steps.append(("run_tests", {}))
+        steps.append([("run_tests", {})])
     if task.family in _KEEPS_TODO:
-        steps.append(("todo", {"items": [dict(t, done=True) for t in todo]}))
+        steps.append([("todo", {"items": [dict(t, done=True) for t in todo]})])
     if task.family == "write-file":
         message = f"Created {edited[0]}."
     else:
         message = f"Updated {', '.join(edited)}; the tests pass."
-    steps.append(("finish", {"message": message}))
+    steps.append([("finish", {"message": message})])
     return steps
+
+
+def step_text(step: Step) -> str:
+    """What the assistant writes for one step: one call block, or one block with the list of calls."""
+    return format_tool_call(*step[0]) if len(step) == 1 else format_tool_calls(step)
 
 
 def expert_conversation(task: CodingTask, *, tool_names: Sequence[str] = tuple(TOOLS),
@@ -75,13 +89,13 @@ def expert_conversation(task: CodingTask, *, tool_names: Sequence[str] = tuple(T
         prepare_workspace(task, workspace)
         tools = ToolSet(workspace, Sandbox(workspace, **sandbox_kwargs), names=tool_names,
                         run_tests=lambda: test_report(run_tests(task, workspace, sandbox_kwargs=sandbox_kwargs)))
-        for name, arguments in expert_steps(task):
-            text = format_tool_call(name, arguments)
+        for step in expert_steps(task):
+            text = step_text(step)
             messages.append({"role": "assistant", "content": text})
             turn = tools.respond(text)
             bad = [e for e in turn.events if e.misuse or not e.ok]
             if bad:
-                raise RuntimeError(f"the expert trajectory of {task.key} failed at {name}: "
+                raise RuntimeError(f"the expert trajectory of {task.key} failed at {bad[0].name}: "
                                    f"{bad[0].error or bad[0].misuse}")
             if turn.finished:
                 break
