@@ -19,6 +19,8 @@ The verdict holds one value per reward term (`rewards.REWARD_TERMS`):
     communication   1.0 when `finish` carried a final message of sensible length
     tool_misuse     -(misused calls: malformed, unknown tool, bad arguments, the terminal
                     for a dedicated tool, open to-do items at finish, no call at all)
+    parallel_tool_calls  share of the read-only calls batched with another in one message
+    tool_efficiency -(redundant calls: rereads, relistings, retests, calls after solving)
 
 `episodes` runs many in threads: the model's turns from all of them meet in
 the engine's batch, and their sandboxes run side by side. An episode that
@@ -40,7 +42,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .agent import Agent, Trajectory
-from .agentic_rewards import changed_files, communication_score, style_score, tool_misuse_score
+from .agentic_rewards import (changed_files, communication_score, parallel_tool_calls_score, style_score,
+                              tool_efficiency_score, tool_misuse_score)
 from .sandbox import Sandbox
 from .tasks.coding import CodingTask, TestVerdict, load_tasks, prepare_workspace, run_tests
 from .tools import TOOLS, ToolSet
@@ -113,7 +116,10 @@ class AgenticCodingEnv:
             changes = changed_files(task.files, workspace)
         verdict = {"correctness": tests.fraction, "all_pass": float(tests.all_pass),
                    "style": style_score(changes), "communication": communication_score(trajectory.final_message),
-                   "tool_misuse": tool_misuse_score(trajectory.events, tools.open_todo_items())}
+                   "tool_misuse": tool_misuse_score(trajectory.events, tools.open_todo_items()),
+                   "parallel_tool_calls": parallel_tool_calls_score(
+                       [t.events for t in trajectory.turns if t.kind == "action"]),
+                   "tool_efficiency": tool_efficiency_score(trajectory.events)}
         return EpisodeResult(task, seed, trajectory, verdict, tests)
 
     def episodes(self, agent: Agent, jobs: Sequence[tuple[CodingTask, int]], *, max_workers: int = 16,
