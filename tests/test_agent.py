@@ -9,6 +9,7 @@ from tests.agent_fakes import CharTokenizer, ScriptedClient
 from megatron_composer.data.sft import render_chat
 from megatron_composer.data.tool_calls import format_tool_call, format_tool_calls, render_tool_response
 from megatron_composer.rl.agent import SUMMARY_HEADER, SUMMARY_PROMPT, Agent, AgentConfig, system_prompt
+from megatron_composer.rl.rewards import EffortWeights, effort
 from megatron_composer.rl.tools import ToolSet
 
 TOK = CharTokenizer()
@@ -94,6 +95,10 @@ def test_a_message_with_a_list_of_calls_keeps_masks_versions_routes_and_counts_e
     assert (c.tool_calls, c.turns) == (5, 2)  # four calls in turn 1 (three in one block), finish
     assert c.tool_call_tokens == len(batch) + len(extra)
     assert c.thinking_tokens == len("Reading.") + 2 and c.final_message_tokens == len(finish)
+    # the length penalty's call and turn terms see these counts: x = 1 * 5 calls + 10 * 2 turns
+    weights = EffortWeights(thinking_tokens=0, tool_call_tokens=0, tool_output_tokens=0, final_message_tokens=0,
+                            tool_calls=1, turns=10)
+    assert effort(c, weights) == 25.0
 
 
 def test_malformed_unknown_and_bad_arguments_are_observations_not_crashes(tmp_path):

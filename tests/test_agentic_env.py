@@ -155,3 +155,24 @@ def test_evaluate_reports_summaries_and_their_length(write_task, tmp_path):
     row = summarize([result], TOK)
     assert row["summaries"] == 1.0 and row["summary tokens"] == len("I listed the folder.") and row["solved"] == 1.0
     assert row["stops"] == "finish 1"
+    turns = len(script) - 1  # every scripted reply but the summary is a model turn
+    assert row["turns"] == row["turns per solved"] == turns and row["tool calls"] == turns
+    assert row["calls per turn"] == 1.0 and row["parallel tool calls"] == 0.0
+
+
+def test_a_batched_expert_episode_counts_its_calls_per_turn(tmp_path):
+    from megatron_composer.rl.agentic import summarize
+    from megatron_composer.rl.rollout import episode_samples
+
+    task = load_tasks(["set-constant"], "train", count=1)[0]
+    steps = expert_steps(task)  # reads (2 in one message), edit, run_tests, finish
+    env = AgenticCodingEnv(("set-constant",), workdir=str(tmp_path))
+    result = env.episode(Agent(ScriptedClient(TOK, [step_text(s) for s in steps]), TOK, CONFIG), task)
+    assert [len(s) for s in steps] == [2, 1, 1, 1] and result.verdict["all_pass"] == 1.0
+    assert (result.trajectory.counts.tool_calls, result.trajectory.counts.turns) == (5, 4)
+    assert result.verdict["parallel_tool_calls"] == 0.5 and result.verdict["tool_efficiency"] == 0.0
+    row = summarize([result], TOK)
+    assert row["calls per turn"] == 5 / 4 and row["turns per solved"] == 4.0
+    (sample,) = episode_samples([result], [0], 1, TOK)
+    assert sample.info["calls per turn"] == 5 / 4 and sample.info["turns"] == 4
+    assert sample.effort == result.trajectory.counts

@@ -152,8 +152,13 @@ class AgenticCodingEnv:
 
 
 def summarize(results, tokenizer) -> dict:
-    """Mean metrics over episode results (the held-out evaluations of `environments` and `rl.evaluate`)."""
+    """Mean metrics over episode results (the held-out evaluations of `environments` and `rl.evaluate`):
+    "turns" is model turns per episode, "calls per turn" the mean over episodes of tool calls / turns,
+    "turns per solved" the mean turns of the solved episodes (0.0 when none is solved)."""
+    from .rollout import calls_per_turn
+
     n = max(1, len(results))
+    solved = [r for r in results if r.verdict["all_pass"] >= 1.0]
     summaries = [s for r in results for s in r.trajectory.summaries]
     stops = collections.Counter(r.trajectory.stop_reason for r in results)
     row = {"tasks": len(results),
@@ -161,6 +166,11 @@ def summarize(results, tokenizer) -> dict:
            "correctness": sum(r.verdict["correctness"] for r in results) / n,
            "tool misuse": sum(r.verdict["tool_misuse"] for r in results) / n,
            "turns": sum(r.trajectory.counts.turns for r in results) / n,
+           "turns per solved": (sum(r.trajectory.counts.turns for r in solved) / len(solved)) if solved else 0.0,
+           "tool calls": sum(r.trajectory.counts.tool_calls for r in results) / n,
+           "calls per turn": sum(calls_per_turn(r.trajectory.counts) for r in results) / n,
+           "parallel tool calls": sum(r.verdict["parallel_tool_calls"] for r in results) / n,
+           "tool efficiency": sum(r.verdict["tool_efficiency"] for r in results) / n,
            "summaries": len(summaries) / n,
            "summary tokens": (sum(len(tokenizer.encode(s)) for s in summaries) / len(summaries)) if summaries else 0.0,
            "generated tokens": sum(r.trajectory.generated_tokens for r in results) / n}
