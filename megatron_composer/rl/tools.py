@@ -26,6 +26,8 @@ every other call (a write, `run`, `run_tests`, `todo`, `finish`) waits for
 the calls before it and runs alone. So a read written after a write sees the
 write, and reads that run together cannot see each other's effects (they
 have none). The responses come back in call order in one user turn.
+(`grep` runs in the sandbox, which runs one command at a time: the greps of a
+batch take turns there while its file reads and listings go on.)
 
 Calls are checked strictly: the JSON of the block (`data.tool_calls`), the
 tool's name, and its arguments against the tool's parameters (required ones
