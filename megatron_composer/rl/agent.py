@@ -48,8 +48,8 @@ from .rewards import EffortCounts
 from .tools import TOOLS, ToolEvent, ToolSet, render_tool_prompt
 
 SYSTEM_PROMPT = ("You are a coding agent working in a repository at /workspace. Use the tools to inspect "
-                 "and change files and to run the tests. Make independent reads at once, as one list of "
-                 "calls in a reply; then call finish with a short message saying what you did.")
+                 "and change files and to run the tests (independent reads together, in one reply), then "
+                 "call finish with a short message saying what you did.")
 SUMMARY_PROMPT = ("Your context is full. Write a summary of your work so far that lets you continue: the task, "
                   "what you did, what you found, and what is left. Reply with the summary only.")
 SUMMARY_HEADER = "Summary of your earlier work on this task:\n"

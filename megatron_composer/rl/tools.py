@@ -167,7 +167,7 @@ def render_tool_prompt(names: Sequence[str]) -> str:
         lines.append(f"- {name}({args}): {spec.description}")
     return ("Tools (call one by writing "
             '<tool_call>{"name": NAME, "arguments": {...}}</tool_call>; '
-            f"independent calls at once as a JSON list in one block, at most {MAX_CALLS_PER_MESSAGE}):\n"
+            f"several as a JSON list, at most {MAX_CALLS_PER_MESSAGE}):\n"
             + "\n".join(lines))
 
 
