@@ -36,7 +36,7 @@ setup(
     # The feature-deletion family's code base: plain files, not packages of ours.
     package_data={"megatron_composer.rl.tasks.coding": ["codebase/*.py", "codebase/*/*.py"],
                   # the hand-written example of --task-file
-                  "megatron_composer.rl.tasks": ["examples/*.jsonl"]},
+                  "megatron_composer.rl.tasks": ["examples/*.jsonl", "examples/swe/*.jsonl", "examples/swe/*/*/*.py"]},
     install_requires=[
         TORCH,
         MEGATRON_CORE,

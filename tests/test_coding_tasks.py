@@ -65,7 +65,7 @@ def failing_tests(workspaces: dict[str, dict[str, str]], tmp_path: Path) -> dict
 
 
 def test_families_are_known_and_unknown_names_are_refused():
-    assert list(FAMILIES) == ["write-file", "set-constant", "fix-bug", "feature-deletion"]
+    assert list(FAMILIES) == ["write-file", "set-constant", "fix-bug", "feature-deletion", "swe"]
     with pytest.raises(ValueError, match="unknown coding task family 'nope'; known: write-file, set-constant"):
         load_tasks(["nope"])
     with pytest.raises(ValueError, match="unknown split 'test'"):

@@ -10,6 +10,7 @@ killed by the last test.
 """
 import copy
 import os
+import re
 import signal
 
 import pytest
@@ -130,14 +131,18 @@ def test_sampled_logprobs_n_samples_and_stop_token(served):
     assert cut.token_ids == group[0].token_ids[:first + 1] and cut.finish_reason == "stop"
 
 
+def _b_state(state):
+    g = torch.Generator().manual_seed(5)
+    return {k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in state.items()}
+
+
 def test_weights_pushed_a_then_b_then_a(served):
     """A -> B -> A: B's generations are our engine's on B (the fused-MoE experts too), A's come back
     token for token, and every token carries the version pushed."""
     prompts = _prompts()
     served.backend.update_weights(served.state, 0)
     a = served.backend.generate(prompts, GREEDY)
-    g = torch.Generator().manual_seed(5)
-    b_state = {k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in served.state.items()}
+    b_state = _b_state(served.state)
     assert served.backend.update_weights(b_state, 1) == 1
     b = served.backend.generate(prompts, GREEDY)
     assert [x.token_ids for x in b] != [x.token_ids for x in a]
@@ -148,6 +153,51 @@ def test_weights_pushed_a_then_b_then_a(served):
     _close(again, a, 1e-5)
     assert all(c.policy_versions == [2] * len(c.token_ids) for c in again)
     assert "weight push seconds" in served.backend.metrics()
+
+
+def test_mid_generation_update_changes_later_tokens_and_versions(served):
+    """--vllm-chunk-tokens 4, weights B pushed while a greedy sequence is in flight (after its first chunk):
+    its first 4 tokens are A's greedy continuation, tagged 0; the other 8 are what B generates continuing
+    from that prefix (our engine on B), tagged 1."""
+    import threading
+    import time
+
+    from megatron_composer.rl.vllm_backend import VLLMBackend
+    from megatron_composer.rl.vllm_server import VLLMConfig
+
+    prompt = _prompts()[1]
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=True)
+    chunked = VLLMBackend.connect(CFG, VLLMConfig(url=served.backend.url, chunk_tokens=4))
+    chunked.update_weights(served.state, 0)
+    b_state = _b_state(served.state)
+    send, requests, pushes = chunked.client.generate, [], []
+
+    def push_after_first_chunk(prompts, p):
+        """Runs inside the gate: B's push starts and waits there for this chunk, so it lands before the next."""
+        requests.append(list(prompts[0]))
+        out = send(prompts, p)
+        if not pushes:
+            pushes.append(threading.Thread(target=chunked.update_weights, args=(b_state, 1)))
+            pushes[0].start()
+            while not chunked._gate._swapping:
+                time.sleep(0.01)
+        return out
+
+    chunked.client.generate = push_after_first_chunk
+    try:
+        got = chunked.generate([prompt], params)[0]
+        pushes[0].join()
+    finally:
+        chunked.client.close()
+    a = served.ours(served.state, [prompt], params)[0]
+    b = served.ours(b_state, [prompt + a.token_ids[:4]], SamplingParams(max_tokens=8, temperature=0,
+                                                                        logprobs=True))[0]
+    assert got.token_ids[:4] == a.token_ids[:4]
+    assert got.token_ids[4:] == b.token_ids and b.token_ids != a.token_ids[4:]
+    assert got.policy_versions == [0] * 4 + [1] * 8 and got.finish_reason == "length"
+    torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(a.logprobs[:4] + b.logprobs), rtol=0,
+                               atol=1e-4)
+    assert requests == [prompt, prompt + got.token_ids[:4], prompt + got.token_ids[:8]]
 
 
 def _rl_trainer(tokenizer_model, **rl_fields):
@@ -196,9 +246,97 @@ def test_rl_step_on_vllm_samples_is_the_engine_backends_step(served, data_dir):
     _close([served_now], ours.engine.generate([prompt], GREEDY), 1e-4)
 
 
+def _saved_ready_groups(iteration_dir) -> int:
+    """How many completed, untrained groups the async checkpoint's reconciler buffer holds (read here with
+    torch.load, not through the reconciler)."""
+    import io
+
+    with open(iteration_dir / "rl_buffer.pt", "rb") as f:
+        return len(torch.load(io.BytesIO(f.read()), weights_only=True)["ready"])
+
+
+def test_async_rl_through_vllm_then_its_server_killed(served, data_dir, tmp_path, monkeypatch):
+    """--async-rl --rollout-backend vllm on a loopback Ray (one inference worker driving the module's server,
+    by --vllm-url, chunks of 4 tokens): each step's published weights are in the server when the next
+    groups launch (its greedy generations equal our engine's on the trainer's published weights, and the
+    samples are tagged with those versions); the server killed after step 2 stops the run with an error
+    naming the server, instead of relaunching groups against it, no group failed before, and the
+    completed groups not yet trained are saved with step 2's weights, in the checkpoint the error names."""
+    ray = pytest.importorskip("ray")
+    from megatron_composer.inference.weight_sync import WeightSubscriber
+    from megatron_composer.rl.async_rl.runner import PUBLISH, AsyncRLRunner
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # a private loopback instance
+    argv = ["--async-rl", "--model-preset", "tiny-vllm", "--seq-length", "256", "--tokenizer-model",
+            str(data_dir / "tokenizer.model"), "--data-cache-dir", str(data_dir), "--group-size", "2",
+            "--prompts-per-step", "2", "--max-new-tokens", "8", "--lr", "1e-3", "--lr-warmup-iters", "0",
+            "--train-iters", "4", "--rl-micro-batch-tokens", "256", "--no-router-replay", "--synchronous-rollouts",
+            "--rollout-backend", "vllm", "--vllm-url", served.backend.url, "--vllm-chunk-tokens", "4",
+            "--save", str(tmp_path / "rl")]
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    seen = []
+
+    def on_step(runner, row):
+        """The pushed weights (--synchronous-rollouts: in the server by now) serve our engine's tokens."""
+        seen.append(row)
+        update = ray.get(runner.trainers[0].snapshot.options(concurrency_group=PUBLISH).remote())
+        assert update.version == row["iteration"] == ray.get(runner.inference[0].version.remote())
+        state = WeightSubscriber().apply(update)
+        prompts = _prompts()[:2]
+        _close(served.backend.generate(prompts, GREEDY), served.ours(state, prompts), 1e-4)
+        if row["iteration"] == 2:
+            os.killpg(served.backend.server.pid, signal.SIGKILL)
+            served.backend.server.process.wait(30)
+
+    runner = None
+    try:
+        runner = AsyncRLRunner(argv, on_step=on_step)
+        url = re.escape(served.backend.url)
+        with pytest.raises(RuntimeError, match=rf"(?s)lost its vLLM server \(.*{url}.*so the run stops at step 2; "
+                                               rf"saved {re.escape(str(tmp_path / 'rl' / 'iter_0000002'))} with the "
+                                               rf"(\d+) completed groups.*resume with --load") as stopped:
+            runner.run()
+    finally:
+        if runner is not None:
+            runner.shutdown()
+        ray.shutdown()
+    assert [r["iteration"] for r in seen] == [1, 2] and all(r["groups failed"] == 0 for r in seen)
+    # the completed groups not yet trained are in the checkpoint the error names, for the resume
+    with open(tmp_path / "rl" / "latest_checkpointed_iteration.txt") as f:
+        assert f.read().strip() == "2"
+    saved = re.search(r"with the (\d+) completed groups", str(stopped.value)).group(1)
+    assert int(saved) == _saved_ready_groups(tmp_path / "rl" / "iter_0000002")
+    # --synchronous-rollouts: step 2's groups were launched after version 1 was in the server
+    assert seen[1]["staleness max"] == 0.0
+
+
+def test_async_vllm_flags():
+    """--async-rl --rollout-backend vllm parses (URLs split on commas); with --rollout-server, or router replay
+    on a MoE model, it is refused naming the fix."""
+    from megatron_composer.rl.arguments import parse_rl_args
+    from megatron_composer.rl.async_rl.vllm_service import check_router_replay, vllm_urls
+
+    run = parse_rl_args(["--async-rl", "--rollout-backend", "vllm", "--vllm-url", "http://a:1, http://b:2",
+                         "--vllm-chunk-tokens", "8"])
+    assert run.async_rl.enabled and vllm_urls(run.rl.vllm) == ["http://a:1", "http://b:2"]
+    assert run.rl.vllm.chunk_tokens == 8
+    with pytest.raises(ValueError, match="--rollout-server http://x:3.*drop one"):
+        parse_rl_args(["--async-rl", "--rollout-backend", "vllm", "--rollout-server", "http://x:3"])
+    with pytest.raises(ValueError, match="--vllm-chunk-tokens -1 must be >= 0"):
+        parse_rl_args(["--rollout-backend", "vllm", "--vllm-chunk-tokens", "-1"])
+    with pytest.raises(ValueError, match="--no-router-replay"):
+        check_router_replay(True, 2)
+    check_router_replay(True, 0)
+    check_router_replay(False, 2)
+
+
 def test_killed_server_is_a_clear_error(served):
-    """Last: the server killed under the backend (restarts 0) -> RuntimeError naming the exit and the log."""
-    os.killpg(served.backend.server.pid, signal.SIGKILL)
+    """Last: the server killed under the backend (restarts 0) -> RuntimeError naming the exit and the log, for a
+    request and for a weights push alike."""
+    if served.backend.server.alive():  # the async test may have killed it already
+        os.killpg(served.backend.server.pid, signal.SIGKILL)
     served.backend.server.process.wait(30)
     with pytest.raises(RuntimeError, match=r"vLLM server \(pid \d+.*exited with code -9.*log"):
         served.backend.generate(_prompts()[:1], GREEDY)
+    with pytest.raises(RuntimeError, match=r"vLLM server \(pid \d+.*exited with code -9.*log"):
+        served.backend.update_weights(served.state, 9)

@@ -22,6 +22,10 @@ The verdict holds one value per reward term (`rewards.REWARD_TERMS`):
     parallel_tool_calls  share of the read-only calls batched with another in one message
     tool_efficiency -(redundant calls: rereads, relistings, retests, calls after solving)
 
+A task of the swe family (`tasks.coding.swe`) counts its FAIL_TO_PASS and
+PASS_TO_PASS ids: all_pass is "resolved", and the verdict adds `resolved`,
+`fail_to_pass` and `pass_to_pass` (the fractions), logged as task metrics.
+
 `episodes` runs many in threads: the model's turns from all of them meet in
 the engine's batch, and their sandboxes run side by side. An episode that
 raises (its generation or its scoring) is lost alone: the others run on, the
@@ -45,7 +49,7 @@ from .agent import Agent, Trajectory
 from .agentic_rewards import (changed_files, communication_score, parallel_tool_calls_score, style_score,
                               tool_efficiency_score, tool_misuse_score)
 from .sandbox import Sandbox
-from .tasks.coding import CodingTask, TestVerdict, load_tasks, prepare_workspace, run_tests
+from .tasks.coding import CodingTask, SweVerdict, TestVerdict, load_tasks, prepare_workspace, run_tests
 from .tools import TOOLS, ToolSet
 
 ENV_NAME = "agentic-coding"
@@ -77,14 +81,17 @@ class AgenticCodingEnv:
         tool_names: the tools offered (default: all of `tools.TOOLS`).
         sandbox_kwargs: limits for every `Sandbox` of an episode (timeout_s, memory_mb, ...).
         workdir: where temporary workspaces go (default: the system's temp dir).
+        swe_task_file: the instances of the swe family (default: its embedded set).
     """
 
     name = ENV_NAME
 
     def __init__(self, families: Sequence[str] = ("write-file",), *, split: str = "train",
                  count: Optional[int] = None, tool_names: Sequence[str] = tuple(TOOLS),
-                 sandbox_kwargs: Optional[dict] = None, workdir: Optional[str] = None):
+                 sandbox_kwargs: Optional[dict] = None, workdir: Optional[str] = None,
+                 swe_task_file: Optional[str] = None):
         self.families, self.split, self.count = tuple(families), split, count
+        self.swe_task_file = swe_task_file or None
         self.tool_names = tuple(tool_names)
         self.sandbox_kwargs = dict(sandbox_kwargs or {})
         self.workdir = workdir
@@ -94,7 +101,7 @@ class AgenticCodingEnv:
 
     def tasks(self) -> list[CodingTask]:
         if self._tasks is None:
-            self._tasks = load_tasks(self.families, self.split, count=self.count)
+            self._tasks = load_tasks(self.families, self.split, count=self.count, swe_task_file=self.swe_task_file)
             if not self._tasks:
                 raise ValueError(f"no {self.split} tasks in the families {', '.join(self.families)}")
         return self._tasks
@@ -120,6 +127,9 @@ class AgenticCodingEnv:
                    "parallel_tool_calls": parallel_tool_calls_score(
                        [t.events for t in trajectory.turns if t.kind == "action"]),
                    "tool_efficiency": tool_efficiency_score(trajectory.events)}
+        if isinstance(tests, SweVerdict):
+            verdict.update(resolved=float(tests.resolved), fail_to_pass=tests.fail_to_pass,
+                           pass_to_pass=tests.pass_to_pass)
         return EpisodeResult(task, seed, trajectory, verdict, tests)
 
     def episodes(self, agent: Agent, jobs: Sequence[tuple[CodingTask, int]], *, max_workers: int = 16,

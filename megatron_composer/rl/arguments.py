@@ -138,13 +138,23 @@ def build_rl_parser():
     g.add_argument("--vllm-startup-timeout-s", type=float, default=d.vllm_startup_timeout_s)
     g.add_argument("--vllm-restarts", type=int, default=d.vllm_restarts,
                    help="times a vLLM server of this run that died is started again")
+    g.add_argument("--vllm-chunk-tokens", type=int, default=d.vllm_chunk_tokens,
+                   help="generate in requests of this many tokens, each continuing the sequence so far, so a "
+                        "weights push lands between two chunks of a sequence in flight and every token carries "
+                        "the version that sampled it (PipelineRL style); 0: one request per completion, a push "
+                        "waits for it")
     g.add_argument("--vllm-extra-args", default=d.vllm_extra_args, help="more vLLM server flags, space-separated")
 
     g = p.add_argument_group("agentic environment (--env agentic-coding)")
     g.add_argument("--env", choices=sorted(ENVIRONMENTS), default=d.env,
                    help="single-turn: one completion scored by --task; agentic-coding: tool use in a sandbox")
-    g.add_argument("--task-families", default=d.task_families,
-                   help="comma list of coding task families (rl/tasks/coding), e.g. write-file,fix-bug")
+    g.add_argument("--task-families", default=None,
+                   help="comma list of coding task families (rl/tasks/coding), e.g. write-file,fix-bug "
+                        f"(default: swe with --swe-task-file, else {d.task_families})")
+    g.add_argument("--swe-task-file", default=d.swe_task_file,
+                   help="SWE-bench style instances (JSONL: instance_id, repo_dir, base_commit, problem_statement, "
+                        "FAIL_TO_PASS, PASS_TO_PASS, test_cmd) for the swe family (rl/tasks/coding/swe.py); "
+                        "implies --task-families swe")
     g.add_argument("--max-turns", type=int, default=d.max_turns, help="model turns per trajectory")
     g.add_argument("--token-budget", type=int, default=d.token_budget,
                    help="generated tokens per trajectory (default: max-turns x max-new-tokens)")
@@ -217,6 +227,8 @@ def parse_rl_args(argv: Optional[list[str]] = None) -> RLRunConfig:
     args.stage = "rl"
     if args.task is None:
         args.task = "code-tests" if args.task_file else _FlatDefaults().task
+    if args.task_families is None:
+        args.task_families = "swe" if args.swe_task_file else _FlatDefaults().task_families
     for flag in ("max_inflight_groups", "trainer_ranks", "inference_workers", "env_workers"):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -241,10 +253,9 @@ def parse_rl_args(argv: Optional[list[str]] = None) -> RLRunConfig:
     if rl.algorithm.micro_batch_tokens < args.seq_length:
         raise ValueError(f"--rl-micro-batch-tokens {rl.algorithm.micro_batch_tokens} is below --seq-length "
                          f"{args.seq_length}: a sample of full length would fit no micro-batch")
-    if rl.rollout.backend == "vllm" and (args.async_rl or args.ray_address is not None):
-        raise ValueError("--rollout-backend vllm samples in the synchronous loop (weights pushed after every "
-                         "step); --async-rl samples on Ray inference workers of our engine or --rollout-server "
-                         "(our server); drop one of the two")
+    if rl.rollout.backend == "vllm" and args.rollout_server:
+        raise ValueError(f"--rollout-backend vllm with --rollout-server {args.rollout_server}: the vLLM servers "
+                         "are the inference workers' (their own, or --vllm-url URL[,URL...]); drop one of the two")
     async_rl = AsyncConfig(**{f: getattr(args, f) for f in AsyncConfig.__dataclass_fields__ if f != "enabled"},
                            enabled=args.async_rl or args.ray_address is not None)
     return RLRunConfig(training=cfg, rl=rl, model=ModelSource.from_args(args), parallel=ParallelSizes.from_args(args),

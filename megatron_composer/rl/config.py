@@ -138,6 +138,7 @@ class EnvironmentConfig:
     task_format: str = "jsonl"  # jsonl | humaneval | mbpp
     eval_task_file: str = ""  # held-out code tasks (same format) for pass@1 / pass@k at --eval-interval
     task_families: str = "write-file"
+    swe_task_file: str = ""  # the swe family's SWE-bench style instances (JSONL; tasks.coding.swe); "": embedded
     max_turns: int = 6
     token_budget: Optional[int] = None  # generated tokens per trajectory (None: max_turns x max_new_tokens)
     max_observation_tokens: int = 192
@@ -161,6 +162,10 @@ class EnvironmentConfig:
         if (self.task == "code-tests") != bool(self.task_file):
             raise ValueError(f"--task {self.task} with --task-file {self.task_file!r}: --task-file is read by "
                              "--task code-tests and that task needs it; give both, or neither")
+        if self.swe_task_file and (self.name != "agentic-coding" or "swe" not in self.families):
+            raise ValueError(f"--swe-task-file {self.swe_task_file!r} is read by the swe family of --env "
+                             f"agentic-coding (here --env {self.name}, --task-families {self.task_families!r}); "
+                             "add --env agentic-coding and swe to --task-families, or drop --swe-task-file")
         _at_least(self, 1, "max_turns", "max_observation_tokens", "summary_max_tokens", "episode_workers")
         if self.token_budget is not None and self.token_budget < 1:
             raise ValueError(f"--token-budget {self.token_budget} must be >= 1")

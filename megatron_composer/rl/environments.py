@@ -225,7 +225,8 @@ class AgenticEnvironment(Environment):
         from .agentic import AgenticCodingEnv
 
         self.episodes = AgenticCodingEnv(rl.environment.families, split=self.split, count=self.count,
-                                         sandbox_kwargs={"timeout_s": rl.environment.sandbox_timeout_s})
+                                         sandbox_kwargs={"timeout_s": rl.environment.sandbox_timeout_s},
+                                         swe_task_file=rl.environment.swe_task_file or None)
         probe = Agent(None, tokenizer, self.agent_config(routed_experts=False))
         self.pool = [t for t in self.episodes.tasks() if len(probe.segment_prompt(
             system_prompt(self.episodes.tool_names), t.instruction, None)) <= self._room()]
@@ -278,9 +279,15 @@ class AgenticEnvironment(Environment):
         return {f"eval {k}": float(v) if isinstance(v, (int, float)) else v for k, v in row.items()}
 
     def describe(self):
+        from .tasks.coding import swe
+
         rl = self.rl
-        return (f"RL env {self.name} ({rl.environment.task_families}): {len(self.pool)} tasks, up to {rl.environment.max_turns} turns "
+        text = (f"RL env {self.name} ({rl.environment.task_families}): {len(self.pool)} tasks, up to {rl.environment.max_turns} turns "
                 f"of {rl.rollout.max_new_tokens} tokens, summaries at {rl.environment.summary_trigger_tokens or 'never'}")
+        problems = swe.problems_of(rl.environment.swe_task_file or None) if swe.FAMILY in rl.environment.families else ()
+        if problems:
+            text += f"; {len(problems)} bad SWE instance(s) skipped, the first: {problems[0]}"
+        return text
 
 
 def merge_evaluations(parts: list[dict]) -> dict:

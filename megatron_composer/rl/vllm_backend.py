@@ -13,11 +13,20 @@ converter's key map (`convert.hf_state_dict`), as one safetensors blob
 elsewhere), loaded by `vllm_worker.WeightSwapExtension` on every vLLM worker.
 
 Policy versions: vLLM does not tag tokens with weights versions, so the
-backend guarantees one version per completion instead. `update_weights`
-waits for the requests in flight to finish and holds new ones until the swap
-is done (a readers-writer gate in this process), so every token of a
-completion was sampled by the weights of the version it is tagged with;
-`pause` / `resume` also hold vLLM's own scheduler (`POST /pause?mode=keep`).
+backend makes every request sample one version. `update_weights` waits for
+the requests in flight to finish and holds new ones until the swap is done (a
+readers-writer gate in this process), so every token a request returns was
+sampled by the weights of the version it is tagged with; `pause` / `resume`
+also hold vLLM's own scheduler (`POST /pause?mode=keep`). By default a
+request is a whole completion, so a push waits for the longest one. With
+`--vllm-chunk-tokens K` a completion is generated K tokens per request, each
+continuing from the prompt and the tokens so far (PipelineRL's in-flight
+updates): a push lands between two chunks of the sequences in flight, which
+then continue under the new weights, and each token carries the version of
+the chunk that sampled it. The price is one more prefill of the sequence per
+chunk where vLLM's prefix cache is off (MLA on CPU); chunk i > 0 of a seeded
+request is seeded from the seed and the tokens so far, so a chunked run is as
+reproducible as an unchunked one, though not token-equal to it.
 
 Routed experts (router replay): vLLM returns them only with
 `--enable-return-routed-experts`, which needs its GPU model runner; a server
@@ -180,13 +189,17 @@ class VLLMBackend(RolloutBackend):
 
     # ---- generation ----------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        if self.cfg.chunk_tokens:
+            return self._chunked_all(prompts, self._params(params))
         return self._retrying(lambda: self._tagged(self.client.generate(prompts, self._params(params))))
 
     def generate_n(self, prompt: list[int], params: SamplingParams, n: int) -> list[Completion]:
         """`n` samples of `prompt` in one request (vLLM forks them after one prefill where its prefix
-        cache is on); sample i is seeded `params.seed + i`, vLLM's rule for `n`."""
+        cache is on); sample i is seeded `params.seed + i`, vLLM's rule for `n`. Chunked: n requests."""
         if n == 1:
             return self.generate([prompt], params)
+        if self.cfg.chunk_tokens:
+            return super().generate_n(prompt, params, n)
         body = self.client._openai_body([int(t) for t in prompt], self._params(params))
         body["n"] = n
 
@@ -206,6 +219,45 @@ class VLLMBackend(RolloutBackend):
         if params.speculative:  # vLLM speculates server-side (--vllm-mtp)
             params = dataclasses.replace(params, speculative=None, num_speculative_tokens=None)
         return params
+
+    def _chunked_all(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        import concurrent.futures
+
+        if len(prompts) == 1:
+            return [self._chunked(prompts[0], params)]
+        with concurrent.futures.ThreadPoolExecutor(len(prompts), thread_name_prefix="vllm-chunks") as pool:
+            return list(pool.map(lambda p: self._chunked(p, params), prompts))
+
+    def _chunked(self, prompt: list[int], params: SamplingParams) -> Completion:
+        """One completion of `prompt`, `--vllm-chunk-tokens` tokens per request (module docstring): each
+        chunk is sampled by one weights version, read inside the gate, and tagged with it."""
+        import dataclasses
+
+        if params.return_routed_experts:
+            raise ValueError("--vllm-chunk-tokens with routed experts: a continued chunk re-routes the tokens "
+                             "before it under newer weights; use --no-router-replay or --vllm-chunk-tokens 0")
+        prompt = [int(t) for t in prompt]
+        out = Completion(prompt_token_ids=prompt, token_ids=[], logprobs=[], sampling_logprobs=[],
+                         routed_experts=None,
+                         policy_versions=[], finish_reason="length", top_logprobs=[])
+        while len(out.token_ids) < params.max_tokens:
+            seed = params.seed
+            if seed is not None and out.token_ids:  # a fresh random stream per chunk, reproducible
+                seed = (seed * 1_000_003 + len(out.token_ids)) % 2 ** 63
+            chunk_params = dataclasses.replace(
+                params, seed=seed, max_tokens=min(self.cfg.chunk_tokens, params.max_tokens - len(out.token_ids)))
+            context = prompt + out.token_ids
+            chunk = self._retrying(lambda: self._tagged(self.client.generate([context], chunk_params)))[0]
+            out.token_ids += chunk.token_ids
+            out.logprobs += chunk.logprobs
+            out.sampling_logprobs += chunk.sampling_logprobs
+            out.top_logprobs += chunk.top_logprobs
+            out.policy_versions += chunk.policy_versions
+            out.text = None
+            if chunk.finish_reason != "length" or len(chunk.token_ids) < chunk_params.max_tokens:
+                out.finish_reason = chunk.finish_reason
+                break
+        return out
 
     def _tagged(self, completions: list[Completion]) -> list[Completion]:
         for c in completions:
@@ -260,26 +312,37 @@ class VLLMBackend(RolloutBackend):
                              f"{type(source).__name__}")
         from safetensors.torch import save, save_file
 
+        import httpx
+
         started = time.perf_counter()
         _, tensors = hf_files(self.model_cfg, source, self.dtype)
         tensors = _unshared(tensors)
-        with self._gate.swapping():
-            if self.server is not None:  # this host: through shared memory, kept for a restart
-                fd, path = tempfile.mkstemp(suffix=".safetensors", dir=_SHM if os.path.isdir(_SHM) else None)
-                os.close(fd)
-                try:
-                    save_file(tensors, path)
-                    self._rpc("load_hf_weights", "path", path)
-                except BaseException:
-                    os.unlink(path)
-                    raise
-                self._forget_last_push()
-                self.last_push = path
-            else:
-                self._rpc("load_hf_weights", "b64", base64.b64encode(save(tensors)).decode())
-            self.version = new
+        while True:  # a server of ours that died is restarted (`_recover`) and the push sent again
+            starts = self.server.starts if self.server is not None else 0
+            try:
+                with self._gate.swapping():
+                    self._push(tensors, save, save_file)
+                    self.version = new
+                break
+            except (httpx.HTTPError, RuntimeError) as error:
+                self._recover(error, starts)
         self.push_seconds.append(time.perf_counter() - started)
         return new
+
+    def _push(self, tensors: dict, save, save_file) -> None:
+        if self.server is not None:  # this host: through shared memory, kept for a restart
+            fd, path = tempfile.mkstemp(suffix=".safetensors", dir=_SHM if os.path.isdir(_SHM) else None)
+            os.close(fd)
+            try:
+                save_file(tensors, path)
+                self._rpc("load_hf_weights", "path", path)
+            except BaseException:
+                os.unlink(path)
+                raise
+            self._forget_last_push()
+            self.last_push = path
+        else:
+            self._rpc("load_hf_weights", "b64", base64.b64encode(save(tensors)).decode())
 
     def _rpc(self, method: str, *args: str):
         """POST /collective_rpc (the server's dev routes); ValueError naming the fix when they are missing."""

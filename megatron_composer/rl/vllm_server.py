@@ -62,6 +62,7 @@ class VLLMConfig:
     mtp: int = 0  # speculative tokens drafted by the checkpoint's MTP layers (deepseek_mtp); 0: off
     startup_timeout_s: float = 900.0
     restarts: int = 1  # a server of ours that died is started again this many times over the run
+    chunk_tokens: int = 0  # >0: generate in requests of this many tokens; a push lands between two (in flight)
     extra_args: str = ""  # more server flags, split on spaces
 
     def __post_init__(self):
@@ -76,9 +77,10 @@ class VLLMConfig:
             raise ValueError(f"--vllm-dtype {self.dtype!r}; use one of {', '.join(DTYPES)}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"--vllm-gpu-memory-utilization {self.gpu_memory_utilization}; use (0, 1]")
-        if self.mtp < 0 or self.restarts < 0 or self.startup_timeout_s <= 0:
-            raise ValueError(f"--vllm-mtp {self.mtp} and --vllm-restarts {self.restarts} must be >= 0, "
-                             f"--vllm-startup-timeout-s {self.startup_timeout_s} > 0")
+        if self.mtp < 0 or self.restarts < 0 or self.chunk_tokens < 0 or self.startup_timeout_s <= 0:
+            raise ValueError(f"--vllm-mtp {self.mtp}, --vllm-restarts {self.restarts} and --vllm-chunk-tokens "
+                             f"{self.chunk_tokens} must be >= 0, --vllm-startup-timeout-s "
+                             f"{self.startup_timeout_s} > 0")
 
 
 def default_python() -> str:

@@ -61,6 +61,11 @@ from .gather import check_publishable
 from .placement import ServiceLayout, actor_options, plan_placement, release, reserve
 from .reconciler import Reconciler, decode_state, encode_state, token_lags
 from .services import EnvWorker, Evaluator, InferenceWorker, RayBackend, RolloutSpec, ServerSync, TrainerWorker
+from .vllm_service import CAPABILITIES as VLLM_CAPABILITIES, check_servers, close_workers, start_workers
+
+class ServerLost(RuntimeError):
+    """A vLLM server that cannot serve any more (past --vllm-restarts, or a --vllm-url one that stopped)."""
+
 
 SERVICES_FILE = "async_rl_services.json"  # which process is which service (pids, for operators and tests)
 PUBLISH = "publish"  # the trainer actors' concurrency group of `published` and `snapshot`
@@ -122,7 +127,8 @@ class AsyncRLRunner:
         self.version, self.train_iters = info["iteration"], info["train_iters"]
         spec = RolloutSpec(rl, info["tokenizer_model"], info["seq_length"], info["seed"], info["tasks"],
                            long_tail=args.rollout_long_tail, server_url=args.rollout_server)
-        if placement.gpus and args.inference_workers and not args.rollout_server:
+        self.vllm = rl.rollout.backend == "vllm"
+        if placement.gpus and args.inference_workers and not args.rollout_server and not self.vllm:
             # a whole model per GPU: refuse one that cannot fit, on the first inference worker's GPU
             ray.get(ray.remote(**actor_options(self.groups, "inference", 0))(check_local_inference_worker).remote(
                 info["model_config"], info["seq_length"], rl.rollout.rollout_batch_size))
@@ -131,6 +137,9 @@ class AsyncRLRunner:
         if args.rollout_server:  # an external server of ours; the driver pushes its weights
             self.inference = [ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)(ServerSync).options(
                 max_concurrency=1).remote(args.rollout_server)]
+        elif self.vllm:  # each worker drives a vLLM server: its own, or one per --vllm-url
+            self.inference = start_workers(ray, rl, args.inference_workers, info,
+                                           lambda i: actor_options(self.groups, "inference", i))
         else:
             self.inference = [infer_cls.options(
                 max_concurrency=4 * rl.rollout.group_size * rl.rollout.prompts_per_step + 8,
@@ -140,7 +149,8 @@ class AsyncRLRunner:
         env_cls = ray.remote(**restart)(EnvWorker)
         self.envs = [env_cls.options(max_concurrency=4 * rl.rollout.prompts_per_step + 4).remote(
             spec, None if args.rollout_server else
-            RayBackend(self.inference[i % len(self.inference)], timeout_s=args.group_timeout_s))
+            RayBackend(self.inference[i % len(self.inference)], timeout_s=args.group_timeout_s,
+                       capabilities=VLLM_CAPABILITIES if self.vllm else None))
             for i in range(args.env_workers)]
         self.evaluator = None
         if evaluated:
@@ -164,6 +174,28 @@ class AsyncRLRunner:
                        f"{', synchronous rollouts' if args.synchronous_rollouts else ''}; "
                        + (f"resuming at step {self.version}" if self.version else "starting at step 0")
                        + (f" with {len(self.reconciler.ready)} ready groups" if info["buffer"] else ""))
+
+    def _check_vllm_servers(self) -> None:
+        """After a failed group or push: a vLLM server that cannot serve any more stops the run
+        (`ServerLost`, which `_run` turns into a save and an error)."""
+        failure = check_servers(self.ray, self.inference) if self.vllm else None
+        if failure:
+            raise ServerLost(failure)
+
+    def _stop_for_lost_server(self, exc: "ServerLost", training, others: list, started: float) -> RuntimeError:
+        """Finish the step in flight, save the weights with the completed groups not yet trained (the
+        reconciler's buffer), and say where: no completed group is lost to a dead server."""
+        if training is not None:
+            self.pushes += self._finish_step(training, started)
+        self._on_every_rank(others)
+        ready = len(self.reconciler.ready)
+        if not self.save_dir:
+            return RuntimeError(f"{exc}, so the run stops at step {self.version}; nothing is saved (no --save): "
+                                f"{ready} completed groups not yet trained are lost")
+        self.save()
+        where = os.path.join(self.save_dir, f"iter_{self.version:07d}")
+        return RuntimeError(f"{exc}, so the run stops at step {self.version}; saved {where} with the {ready} "
+                            f"completed groups not yet trained; resume with --load {self.save_dir}")
 
     def write_services(self) -> dict:
         """{service kind: [pid, ...]} of the actors now, also written to `--save`/async_rl_services.json."""
@@ -272,41 +304,45 @@ class AsyncRLRunner:
         if self.evaluator is not None:
             evals.append(self.evaluator.evaluate.remote())
             evaluated = self.version
-        while self.version < self.train_iters:
-            for gid in rec.to_launch(self.version, trainer_busy=training is not None):
-                env = self.envs[gid % len(self.envs)]
-                pending[env.run_group.remote(gid, self.version)] = (gid, env, time.monotonic())
-            if training is None:
-                batch = rec.take_batch(self.version)
-                if batch is not None:
-                    lags = token_lags(batch, self.version)
-                    batch_ref = ray.put(batch)
-                    calls = [t.train_step.remote(batch_ref) for t in self.trainers]
-                    training, others = (calls[0], lags, time.perf_counter()), calls[1:]
-            waiting = list(pending) + ([training[0]] if training else []) + others
-            done, _ = ray.wait(waiting, num_returns=1, timeout=1.0)
-            for ref in done:
-                if training is not None and ref == training[0]:
-                    self.pushes += self._finish_step(training, started)
-                    training = None
-                elif ref in others:
-                    others.remove(ref)
-                    ray.get(ref)  # raises a dead rank's error now, not when rank 0 gives up on it
-                else:
-                    gid, _, _ = pending.pop(ref)
-                    try:
-                        rec.complete(ray.get(ref))
-                    except (ray.exceptions.RayError, RuntimeError, ValueError) as exc:
-                        self.log.print(f" group {gid} lost ({type(exc).__name__}): launched again")
-                        rec.failed(gid)
-                        self.sync_all()
-            self._expire(pending)
-            self.pushes = self._check_pushes(self.pushes)
-            if self.evaluator is not None and rl.rollout.eval_interval and self.version % rl.rollout.eval_interval == 0 and \
-                    evaluated != self.version:
-                evals.append(self.evaluator.evaluate.remote())  # queued behind this version's weights
-                evaluated = self.version
-            evals = self._collect_evals(evals, wait=False)
+        try:
+            while self.version < self.train_iters:
+                for gid in rec.to_launch(self.version, trainer_busy=training is not None):
+                    env = self.envs[gid % len(self.envs)]
+                    pending[env.run_group.remote(gid, self.version)] = (gid, env, time.monotonic())
+                if training is None:
+                    batch = rec.take_batch(self.version)
+                    if batch is not None:
+                        lags = token_lags(batch, self.version)
+                        batch_ref = ray.put(batch)
+                        calls = [t.train_step.remote(batch_ref) for t in self.trainers]
+                        training, others = (calls[0], lags, time.perf_counter()), calls[1:]
+                waiting = list(pending) + ([training[0]] if training else []) + others
+                done, _ = ray.wait(waiting, num_returns=1, timeout=1.0)
+                for ref in done:
+                    if training is not None and ref == training[0]:
+                        self.pushes += self._finish_step(training, started)
+                        training = None
+                    elif ref in others:
+                        others.remove(ref)
+                        ray.get(ref)  # raises a dead rank's error now, not when rank 0 gives up on it
+                    else:
+                        gid, _, _ = pending.pop(ref)
+                        try:
+                            rec.complete(ray.get(ref))
+                        except (ray.exceptions.RayError, RuntimeError, ValueError) as exc:
+                            self._check_vllm_servers()
+                            self.log.print(f" group {gid} lost ({type(exc).__name__}): launched again")
+                            rec.failed(gid)
+                            self.sync_all()
+                self._expire(pending)
+                self.pushes = self._check_pushes(self.pushes)
+                if self.evaluator is not None and rl.rollout.eval_interval and \
+                        self.version % rl.rollout.eval_interval == 0 and evaluated != self.version:
+                    evals.append(self.evaluator.evaluate.remote())  # queued behind this version's weights
+                    evaluated = self.version
+                evals = self._collect_evals(evals, wait=False)
+        except ServerLost as exc:
+            raise self._stop_for_lost_server(exc, training, others, started) from None
         for ref in pending:  # the last step's spare rollouts: not needed
             ray.cancel(ref)
         if self.evaluator is not None and evaluated != self.version:
@@ -387,6 +423,7 @@ class AsyncRLRunner:
             except ray.exceptions.RayError:
                 if self.dead_trainers():  # the update's source is gone: a snapshot would fail the same way
                     raise
+                self._check_vllm_servers()  # a push into a dead vLLM server stops the run
                 ok = False  # the subscriber died; Ray restarts it without weights
             if not ok and w not in behind:
                 behind.append(w)
@@ -455,7 +492,10 @@ class AsyncRLRunner:
         return self.report.plot()
 
     def shutdown(self) -> None:
-        """Kill every actor (a trainer rank hung in a collective too) and free the placement groups."""
+        """Kill every actor (a trainer rank hung in a collective too) and free the placement groups; the
+        vLLM servers the inference workers started are stopped first (they run in sessions of their own)."""
+        if self.vllm:
+            close_workers(self.ray, self.inference, self.log.print)
         for actor in self.trainers + self.inference + self.envs + ([self.evaluator] if self.evaluator else []):
             self.ray.kill(actor, no_restart=True)
         release(self.groups)

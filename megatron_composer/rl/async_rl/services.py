@@ -64,6 +64,8 @@ class TrainerWorker:
 
             run = parse_rl_args(list(run))
         self.run = dataclasses.replace(run, logging=LoggingConfig())
+        if run.rl.rollout.backend == "vllm":  # the inference workers drive vLLM; the trainer starts none
+            self.run = dataclasses.replace(self.run, rl=run.rl.replace(rollout_backend="engine"))
         p = run.parallel
         check_publishable(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                           p.expert_tensor_parallel_size)
@@ -261,8 +263,11 @@ class RayBackend(RolloutBackend):
     name = "ray"
     capabilities = BackendCapabilities(routed_experts=True, policy_versions=True)
 
-    def __init__(self, handle, timeout_s: Optional[float] = None):
+    def __init__(self, handle, timeout_s: Optional[float] = None,
+                 capabilities: Optional[BackendCapabilities] = None):
         self.handle, self.timeout_s = handle, timeout_s
+        if capabilities is not None:  # a vLLM worker's (`vllm_service.CAPABILITIES`)
+            self.capabilities = capabilities
 
     def generate(self, prompts, params):
         import ray
@@ -353,7 +358,7 @@ class ServerSync:
     version bit-exact, as an inference worker does, so that it serves exactly the published bf16
     weights; a delta that does not follow its version is refused, and the runner then sends a
     snapshot. vLLM and SGLang load weights from a checkpoint in their own format instead; they are
-    refused here with that said.
+    refused here with that said (vLLM servers are driven by `vllm_service` workers instead).
     """
 
     def __init__(self, url: str):
@@ -363,7 +368,8 @@ class ServerSync:
         if self.client.flavor != "megatron-composer":
             raise ValueError(f"--rollout-server {url} is a {self.client.flavor} server, which loads weights "
                              f"from a checkpoint in its own format; in-flight pushes of each step's weights go "
-                             f"to our server (python -m megatron_composer.inference.server --load ...)")
+                             f"to our server (python -m megatron_composer.inference.server --load ...), or to "
+                             f"vLLM servers through --rollout-backend vllm --vllm-url URL[,URL...]")
         self._version: Optional[int] = None
 
     def pid(self) -> int:

@@ -9,6 +9,8 @@ family generates a fixed pool of tasks; `load_tasks` picks a split from it.
     set-constant      change a named constant so that its visible test passes
     fix-bug           fix a one-token bug; the instruction names the failing visible test
     feature-deletion  reimplement a function or method of the bundled `minikit` code base
+    swe               resolve an issue in a repository (SWE-bench style instances of
+                      --swe-task-file, default the embedded set; `swe.py`)
 
 Splits: a task is in "eval" when the first 8 hex digits of sha1(key) are
 0 mod 5 (about 20%), else in "train"; within a split tasks are ordered by
@@ -28,11 +30,14 @@ import functools
 import hashlib
 from typing import Optional, Sequence
 
-from . import feature_deletion, fix_bug, set_constant, write_file
-from .task import CodingTask, Edit, apply_solution, prepare_workspace, solved_files
-from .verify import TestVerdict, run_tests
+from pathlib import Path
 
-_GENERATORS = {m.FAMILY: m for m in (write_file, set_constant, fix_bug, feature_deletion)}
+from . import feature_deletion, fix_bug, set_constant, swe, verify, write_file
+from .swe import SweTask, SweVerdict, run_swe_tests
+from .task import CodingTask, Edit, apply_solution, prepare_workspace, solved_files
+from .verify import TestVerdict
+
+_GENERATORS = {m.FAMILY: m for m in (write_file, set_constant, fix_bug, feature_deletion, swe)}
 FAMILIES: dict[str, str] = {name: m.DESCRIPTION for name, m in _GENERATORS.items()}
 SPLITS = ("train", "eval")
 EVAL_MODULUS = 5
@@ -47,25 +52,36 @@ def split_of(key: str) -> str:
     return "eval" if _key_hash(key) % EVAL_MODULUS == 0 else "train"
 
 
+def run_tests(task: CodingTask, workspace: Path, *, sandbox_kwargs: Optional[dict] = None) -> TestVerdict:
+    """The verdict of `task` on `workspace`: `swe.run_swe_tests` for a `SweTask`, else `verify.run_tests`."""
+    if isinstance(task, SweTask):
+        return run_swe_tests(task, workspace, sandbox_kwargs=sandbox_kwargs)
+    return verify.run_tests(task, workspace, sandbox_kwargs=sandbox_kwargs)
+
+
 @functools.lru_cache(maxsize=None)
-def family_tasks(family: str, split: str) -> tuple[CodingTask, ...]:
-    """The tasks of one family in one split, ordered by the hash of their keys."""
+def family_tasks(family: str, split: str, swe_task_file: Optional[str] = None) -> tuple[CodingTask, ...]:
+    """The tasks of one family in one split, ordered by the hash of their keys (the swe family reads
+    `swe_task_file`, default its embedded set)."""
     if family not in _GENERATORS:
         raise ValueError(f"unknown coding task family {family!r}; known: {', '.join(FAMILIES)}")
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
-    pool = _GENERATORS[family].generate()
+    pool = swe.generate(swe_task_file) if family == swe.FAMILY else _GENERATORS[family].generate()
     return tuple(sorted((t for t in pool if split_of(t.key) == split), key=lambda t: (_key_hash(t.key), t.key)))
 
 
-def load_tasks(families: Sequence[str], split: str = "train", *, count: Optional[int] = None) -> list[CodingTask]:
-    """The tasks of `families` in `split`, interleaved round-robin in the order given; the first `count` of them.
+def load_tasks(families: Sequence[str], split: str = "train", *, count: Optional[int] = None,
+               swe_task_file: Optional[str] = None) -> list[CodingTask]:
+    """The tasks of `families` in `split`, interleaved round-robin in the order given; the first `count` of them
+    (the swe family's from `swe_task_file`, default its embedded set).
 
     ValueError when `count` is more than the families hold in that split.
     """
     if isinstance(families, str):
         families = [families]
-    per_family = [family_tasks(f, split) for f in dict.fromkeys(families)]
+    per_family = [family_tasks(f, split, swe_task_file if f == swe.FAMILY else None)
+                  for f in dict.fromkeys(families)]
     if not per_family:
         raise ValueError(f"no coding task family given; known: {', '.join(FAMILIES)}")
     longest = max(len(tasks) for tasks in per_family)
@@ -78,5 +94,5 @@ def load_tasks(families: Sequence[str], split: str = "train", *, count: Optional
     return mixed[:count]
 
 
-__all__ = ["FAMILIES", "SPLITS", "CodingTask", "Edit", "TestVerdict", "apply_solution", "family_tasks",
+__all__ = ["FAMILIES", "SPLITS", "CodingTask", "Edit", "SweTask", "SweVerdict", "TestVerdict", "apply_solution", "family_tasks",
            "load_tasks", "prepare_workspace", "run_tests", "solved_files", "split_of"]
