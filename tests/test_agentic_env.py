@@ -15,6 +15,7 @@ from megatron_composer.rl.agentic import AgenticCodingEnv
 from megatron_composer.rl.batches import RolloutSample, pack_samples
 from megatron_composer.rl.sft_trajectories import (
     expert_conversation,
+    expert_messages,
     expert_steps,
     step_text,
     write_sft_jsonl,
@@ -27,7 +28,7 @@ CONFIG = AgentConfig(max_context_tokens=16384, max_turn_tokens=4096, max_observa
 
 
 def _expert_script(task) -> list[str]:
-    return [step_text(step) for step in expert_steps(task)]
+    return [format_tool_call(name, args) for name, args in expert_steps(task)]
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +166,7 @@ def test_a_batched_expert_episode_counts_its_calls_per_turn(tmp_path):
     from megatron_composer.rl.rollout import episode_samples
 
     task = load_tasks(["set-constant"], "train", count=1)[0]
-    steps = expert_steps(task)  # reads (2 in one message), edit, run_tests, finish
+    steps = expert_messages(task)  # reads (2 in one message), edit, run_tests, finish
     env = AgenticCodingEnv(("set-constant",), workdir=str(tmp_path))
     result = env.episode(Agent(ScriptedClient(TOK, [step_text(s) for s in steps]), TOK, CONFIG), task)
     assert [len(s) for s in steps] == [2, 1, 1, 1] and result.verdict["all_pass"] == 1.0
@@ -176,3 +177,13 @@ def test_a_batched_expert_episode_counts_its_calls_per_turn(tmp_path):
     (sample,) = episode_samples([result], [0], 1, TOK)
     assert sample.info["calls per turn"] == 5 / 4 and sample.info["turns"] == 4
     assert sample.effort == result.trajectory.counts
+
+
+def test_expert_messages_batch_consecutive_reads_up_to_the_cap():
+    from types import SimpleNamespace
+
+    edit = SimpleNamespace(path="f0.py", search="a", replace="b")
+    task = SimpleNamespace(family="fix-bug", reads=tuple(f"f{i}.py" for i in range(10)), solution=(edit,))
+    sizes = [[name for name, _ in m] for m in expert_messages(task)]
+    assert sizes == [["read_file"] * 8, ["read_file"] * 2, ["edit_file"], ["run_tests"], ["finish"]]
+    assert [c for m in expert_messages(task) for c in m] == expert_steps(task)

@@ -35,7 +35,7 @@ from .agent import system_prompt
 from .agentic import test_report
 from .sandbox import Sandbox
 from .tasks.coding import CodingTask, load_tasks, prepare_workspace, run_tests
-from .tools import TOOLS, ToolSet
+from .tools import READ_ONLY_TOOLS, TOOLS, ToolSet
 
 # families whose workspace holds the tests the model is asked to make pass
 _RUNS_TESTS = ("set-constant", "fix-bug", "feature-deletion")
@@ -45,32 +45,41 @@ _KEEPS_TODO = ("feature-deletion",)
 Step = list[tuple[str, dict]]  # the calls of one assistant message, in order
 
 
-def expert_steps(task: CodingTask) -> list[Step]:
-    """The expert's messages for `task`, each a list of (tool, arguments), ending with finish.
-
-    The reads are independent of each other, so they share one message (in lists of at most
-    MAX_CALLS_PER_MESSAGE); every edit, test run and to-do update is a message of its own,
-    since what comes next depends on its result."""
+def expert_steps(task: CodingTask) -> list[tuple[str, dict]]:
+    """The expert's calls for `task`, in order, ending with finish (`expert_messages` groups them)."""
     edited = sorted({e.path for e in task.solution})
-    steps: list[Step] = []
+    steps: list[tuple[str, dict]] = []
     todo = [{"text": f"reimplement the removed code in {p}", "done": False} for p in edited]
     if task.family in _KEEPS_TODO:
-        steps.append([("todo", {"items": todo})])
-    reads = [("read_file", {"path": p}) for p in task.reads]
-    steps += [reads[i:i + MAX_CALLS_PER_MESSAGE] for i in range(0, len(reads), MAX_CALLS_PER_MESSAGE)]
+        steps.append(("todo", {"items": todo}))
+    steps += [("read_file", {"path": p}) for p in task.reads]
     for e in task.solution:
-        steps.append([("write_file", {"path": e.path, "content": e.replace}) if e.search is None else
-                      ("edit_file", {"path": e.path, "search": e.search, "replace": e.replace})])
+        steps.append(("write_file", {"path": e.path, "content": e.replace}) if e.search is None else
+                     ("edit_file", {"path": e.path, "search": e.search, "replace": e.replace}))
     if task.family in _RUNS_TESTS:
-        steps.append([("run_tests", {})])
+        steps.append(("run_tests", {}))
     if task.family in _KEEPS_TODO:
-        steps.append([("todo", {"items": [dict(t, done=True) for t in todo]})])
+        steps.append(("todo", {"items": [dict(t, done=True) for t in todo]}))
     if task.family == "write-file":
         message = f"Created {edited[0]}."
     else:
         message = f"Updated {', '.join(edited)}; the tests pass."
-    steps.append([("finish", {"message": message})])
+    steps.append(("finish", {"message": message}))
     return steps
+
+
+def expert_messages(task: CodingTask) -> list[Step]:
+    """`expert_steps` as the expert's messages: consecutive reads share one message (in lists of
+    at most MAX_CALLS_PER_MESSAGE), since no read depends on another; every other call is a
+    message of its own, since what comes next depends on its result."""
+    messages: list[Step] = []
+    for name, arguments in expert_steps(task):
+        batch = messages and name in READ_ONLY_TOOLS and all(n in READ_ONLY_TOOLS for n, _ in messages[-1])
+        if batch and len(messages[-1]) < MAX_CALLS_PER_MESSAGE:
+            messages[-1].append((name, arguments))
+        else:
+            messages.append([(name, arguments)])
+    return messages
 
 
 def step_text(step: Step) -> str:
@@ -89,7 +98,7 @@ def expert_conversation(task: CodingTask, *, tool_names: Sequence[str] = tuple(T
         prepare_workspace(task, workspace)
         tools = ToolSet(workspace, Sandbox(workspace, **sandbox_kwargs), names=tool_names,
                         run_tests=lambda: test_report(run_tests(task, workspace, sandbox_kwargs=sandbox_kwargs)))
-        for step in expert_steps(task):
+        for step in expert_messages(task):
             text = step_text(step)
             messages.append({"role": "assistant", "content": text})
             turn = tools.respond(text)
