@@ -7,8 +7,9 @@ import pytest
 
 from tests.agent_fakes import CharTokenizer, ScriptedClient
 from megatron_composer.data.sft import render_chat
-from megatron_composer.data.tool_calls import format_tool_call, render_tool_response
+from megatron_composer.data.tool_calls import format_tool_call, format_tool_calls, render_tool_response
 from megatron_composer.rl.agent import SUMMARY_HEADER, SUMMARY_PROMPT, Agent, AgentConfig, system_prompt
+from megatron_composer.rl.rewards import EffortWeights, effort
 from megatron_composer.rl.tools import ToolSet
 
 TOK = CharTokenizer()
@@ -62,6 +63,42 @@ def test_trajectory_ids_masks_and_counts_are_exact(tmp_path):
     assert c.tool_output_tokens == len(observation)
     assert (c.tool_calls, c.turns) == (2, 2)
     assert traj.generated_tokens == sum(segment.trained)
+
+
+def test_a_message_with_a_list_of_calls_keeps_masks_versions_routes_and_counts_exact(tmp_path):
+    (tmp_path / "a.txt").write_text("A")
+    (tmp_path / "b.txt").write_text("BB")
+    batch = format_tool_calls([("read_file", {"path": "a.txt"}), ("read_file", {"path": "b.txt"}),
+                               ("list_dir", {})])
+    extra = call("write_file", path="c.txt", content="C")
+    finish = call("finish", message="Done.")
+    script = ["Reading." + batch + extra, finish]
+    client = ScriptedClient(TOK, script, moe_shape=(1, 2))
+    traj = Agent(client, TOK, config(return_routed_experts=True)).run(ToolSet(tmp_path), "task")
+
+    assert traj.stop_reason == "finish"
+    (segment,) = traj.segments
+    responses = [render_tool_response("read_file", "A"), render_tool_response("read_file", "BB"),
+                 render_tool_response("list_dir", "a.txt\nb.txt"),  # listed before the write after it
+                 render_tool_response("write_file", "wrote 1 bytes to c.txt")]
+    observation = user_turn("\n".join(responses))
+    turn1, turn2 = TOK.encode(script[0]) + [END], TOK.encode(finish) + [END]
+    assert segment.completion_ids == turn1 + observation + turn2
+    assert segment.trained == [1] * len(turn1) + [0] * len(observation) + [1] * len(turn2)
+    assert segment.logprobs == [-0.5] * len(turn1) + [0.0] * len(observation) + [-0.5] * len(turn2)
+    assert segment.policy_versions == [3] * len(turn1) + [-1] * len(observation) + [3] * len(turn2)
+    routes, p = segment.padded_routes(), len(segment.prompt_ids)
+    assert (routes[:p + len(turn1) - 1] == 1).all() and (routes[p + len(turn1) - 1:-1] == 2).all()
+    assert (routes[-1] == -1).all()
+    assert [e.name for e in traj.turns[0].events] == ["read_file", "read_file", "list_dir", "write_file"]
+    c = traj.counts
+    assert (c.tool_calls, c.turns) == (5, 2)  # four calls in turn 1 (three in one block), finish
+    assert c.tool_call_tokens == len(batch) + len(extra)
+    assert c.thinking_tokens == len("Reading.") + 2 and c.final_message_tokens == len(finish)
+    # the length penalty's call and turn terms see these counts: x = 1 * 5 calls + 10 * 2 turns
+    weights = EffortWeights(thinking_tokens=0, tool_call_tokens=0, tool_output_tokens=0, final_message_tokens=0,
+                            tool_calls=1, turns=10)
+    assert effort(c, weights) == 25.0
 
 
 def test_malformed_unknown_and_bad_arguments_are_observations_not_crashes(tmp_path):

@@ -15,7 +15,9 @@ from megatron_composer.rl.agentic import AgenticCodingEnv
 from megatron_composer.rl.batches import RolloutSample, pack_samples
 from megatron_composer.rl.sft_trajectories import (
     expert_conversation,
+    expert_messages,
     expert_steps,
+    step_text,
     write_sft_jsonl,
 )
 from megatron_composer.rl.tasks.coding import FAMILIES, load_tasks
@@ -72,6 +74,16 @@ def test_expert_trajectories_solve_every_family(family, tmp_path):
     assert messages[0]["role"] == "system" and messages[1] == {"role": "user", "content": task.instruction}
     assert [m["role"] for m in messages[2:]] == ["assistant", "user"] * ((len(messages) - 3) // 2) + ["assistant"]
     assert json.loads(messages[-1]["content"][len("<tool_call>"):-len("</tool_call>")])["name"] == "finish"
+
+
+@pytest.mark.parametrize("family", ["set-constant", "fix-bug"])
+def test_expert_reads_the_files_it_needs_in_one_message(family, tmp_path):
+    task = load_tasks([family], "train", count=1)[0]
+    assert len(task.reads) == 2
+    messages = expert_conversation(task, workdir=str(tmp_path))
+    reads = [{"name": "read_file", "arguments": {"path": p}} for p in task.reads]
+    assert json.loads(messages[2]["content"][len("<tool_call>"):-len("</tool_call>")]) == reads
+    assert messages[3]["content"].count('<tool_response name="read_file">') == 2
 
 
 def test_sft_jsonl_is_readable_by_the_sft_stage(tmp_path):
@@ -144,3 +156,34 @@ def test_evaluate_reports_summaries_and_their_length(write_task, tmp_path):
     row = summarize([result], TOK)
     assert row["summaries"] == 1.0 and row["summary tokens"] == len("I listed the folder.") and row["solved"] == 1.0
     assert row["stops"] == "finish 1"
+    turns = len(script) - 1  # every scripted reply but the summary is a model turn
+    assert row["turns"] == row["turns per solved"] == turns and row["tool calls"] == turns
+    assert row["calls per turn"] == 1.0 and row["parallel tool calls"] == 0.0
+
+
+def test_a_batched_expert_episode_counts_its_calls_per_turn(tmp_path):
+    from megatron_composer.rl.agentic import summarize
+    from megatron_composer.rl.rollout import episode_samples
+
+    task = load_tasks(["set-constant"], "train", count=1)[0]
+    steps = expert_messages(task)  # reads (2 in one message), edit, run_tests, finish
+    env = AgenticCodingEnv(("set-constant",), workdir=str(tmp_path))
+    result = env.episode(Agent(ScriptedClient(TOK, [step_text(s) for s in steps]), TOK, CONFIG), task)
+    assert [len(s) for s in steps] == [2, 1, 1, 1] and result.verdict["all_pass"] == 1.0
+    assert (result.trajectory.counts.tool_calls, result.trajectory.counts.turns) == (5, 4)
+    assert result.verdict["parallel_tool_calls"] == 0.5 and result.verdict["tool_efficiency"] == 0.0
+    row = summarize([result], TOK)
+    assert row["calls per turn"] == 5 / 4 and row["turns per solved"] == 4.0
+    (sample,) = episode_samples([result], [0], 1, TOK)
+    assert sample.info["calls per turn"] == 5 / 4 and sample.info["turns"] == 4
+    assert sample.effort == result.trajectory.counts
+
+
+def test_expert_messages_batch_consecutive_reads_up_to_the_cap():
+    from types import SimpleNamespace
+
+    edit = SimpleNamespace(path="f0.py", search="a", replace="b")
+    task = SimpleNamespace(family="fix-bug", reads=tuple(f"f{i}.py" for i in range(10)), solution=(edit,))
+    sizes = [[name for name, _ in m] for m in expert_messages(task)]
+    assert sizes == [["read_file"] * 8, ["read_file"] * 2, ["edit_file"], ["run_tests"], ["finish"]]
+    assert [c for m in expert_messages(task) for c in m] == expert_steps(task)

@@ -9,9 +9,11 @@ from megatron_composer.rl.agentic_rewards import (
     changed_files,
     communication_score,
     new_lines,
+    parallel_tool_calls_score,
     style_issues,
     style_score,
     thinking_comments,
+    tool_efficiency_score,
     tool_misuse_score,
 )
 from megatron_composer.rl.rewards import REWARD_TERMS, parse_reward_weights, score
@@ -176,16 +178,95 @@ def test_tool_misuse_from_what_toolset_respond_emits(tmp_path):
     assert tool_misuse_score(events, tools.open_todo_items()) == -3.0
 
 
+# ---- tool use: batching and redundancy ----------------------------------------------
+def ev(name, ok=True, misuse=None, output="", **arguments):
+    return ToolEvent(name, arguments, ok, misuse, output=output)
+
+
+def test_parallel_tool_calls_by_hand():
+    messages = [
+        [ev("read_file", path="a"), ev("read_file", path="b"), ev("list_dir")],  # one batch of 3: saves 2
+        [ev("edit_file", path="a", search="x", replace="y")],  # not read-only: not counted
+        [ev("read_file", path="a")],  # a batch of 1: saves 0
+        [ev("grep", pattern="x"), ev("read_file", ok=False, misuse="bad_arguments", path=3),
+         ev("grep", pattern="y")],  # the misuse splits them: two batches of 1
+        [ev("read_file", path="c"), ev("write_file", path="c", content=""), ev("read_file", path="c"),
+         ev("list_dir", ok=False, path="nope")],  # 1, then a batch of 2 (a failed read still ran): saves 1
+        [ev(None, ok=False, misuse="malformed")],
+    ]
+    # N = 3 + 1 + 2 + 3 = 9 read-only calls that ran; B = 2 + 0 + 0 + 0 + 0 + 1 = 3
+    assert parallel_tool_calls_score(messages) == 3 / 9
+    assert parallel_tool_calls_score([[ev("read_file", path="a")], [ev("read_file", path="b")]]) == 0.0
+    assert parallel_tool_calls_score([]) == 0.0 and parallel_tool_calls_score([[ev("run_tests")]]) == 0.0
+
+
+FAIL, PASS = "0 passed, 1 failed, 0 errors of 1 tests\n...", "2 passed, 0 failed, 0 errors of 2 tests"
+
+
+def test_tool_efficiency_by_hand():
+    events = [
+        ev("list_dir"),  # 0
+        ev("read_file", path="a.py"),  # 0
+        ev("read_file", path="./a.py"),  # 1 reread
+        ev("list_dir", path="/workspace"),  # 2 relist ("." again)
+        ev("read_file", path="b.py", ok=False, output="error: no file"),  # 0 (fails: b.py not read)
+        ev("read_file", path="b.py", ok=False),  # 0
+        ev("run_tests", output=FAIL),  # 0
+        ev("run_tests", output=FAIL),  # 3 retest
+        ev("read_file", path="a.py", misuse="bad_arguments", ok=False),  # not run: not counted here
+        ev("edit_file", path="a.py", ok=False),  # a failed edit changes nothing: 0
+        ev("run_tests", output=FAIL),  # 4 retest
+        ev("edit_file", path="a.py"),  # 0, and a change: everything may be new again
+        ev("read_file", path="a.py"),  # 0
+        ev("list_dir"),  # 0
+        ev("run_tests", output=PASS),  # 0: solved from here
+        ev("read_file", path="c.py"),  # 5 after solving
+        ev("todo", items=[]),  # exempt
+        ev(None, ok=False, misuse="malformed"),  # not a call
+        ev("finish", message="m"),  # exempt
+    ]
+    assert tool_efficiency_score(events) == -5.0
+
+
+def test_tool_efficiency_solved_ends_at_a_change_and_needs_all_tests():
+    events = [ev("run_tests", output=PASS), ev("run", command="echo"),  # 1: after solving, and a change
+              ev("read_file", path="a"), ev("run_tests", output="3 passed, 0 failed, 0 errors of 4 tests"),
+              ev("read_file", path="b"),  # 0: 3 of 4 is not solved
+              ev("run_tests", output="0 passed, 0 failed, 0 errors of 0 tests"),  # 2: retest
+              ev("run_tests", output="2 passed, 0 failed, 0 errors of 2 tests (timed out)")]  # 3: retest
+    assert tool_efficiency_score(events) == -3.0
+    assert tool_efficiency_score([]) == 0.0
+
+
+def test_tool_use_terms_from_what_toolset_respond_emits(tmp_path):
+    from megatron_composer.data.tool_calls import format_tool_call, format_tool_calls
+
+    (tmp_path / "a.py").write_text("a = 1\n")
+    tools = ToolSet(tmp_path, run_tests=lambda: PASS)
+    replies = [format_tool_calls([("read_file", {"path": "a.py"}), ("list_dir", {})]),
+               format_tool_call("read_file", {"path": "a.py"}),  # reread
+               format_tool_call("run_tests", {}),
+               format_tool_call("list_dir", {}),  # after solving (and a relisting): counted once
+               format_tool_call("finish", {"message": "ok"})]
+    messages = [tools.respond(reply).events for reply in replies]
+    assert parallel_tool_calls_score(messages) == 1 / 4  # batches 2, 1, 1: B = 1, N = 4
+    assert tool_efficiency_score([e for m in messages for e in m]) == -2.0
+
+
 # ---- the registry -------------------------------------------------------------
 def test_the_behaviour_terms_are_registered_and_read_the_sample():
-    spec = "correctness=1,all_pass=0.5,style=0.1,communication=0.2,tool_misuse=0.05"
+    spec = ("correctness=1,all_pass=0.5,style=0.1,communication=0.2,tool_misuse=0.05,"
+            "parallel_tool_calls=0.3,tool_efficiency=0.1")
     weights = parse_reward_weights(spec)
     assert weights == {"correctness": 1.0, "all_pass": 0.5, "style": 0.1, "communication": 0.2,
-                       "tool_misuse": 0.05}
-    assert {"all_pass", "style", "communication", "tool_misuse"} <= set(REWARD_TERMS)
-    sample = SimpleNamespace(correctness=0.5, all_pass=False, style=-2.0, communication=1.0, tool_misuse=-3)
+                       "tool_misuse": 0.05, "parallel_tool_calls": 0.3, "tool_efficiency": 0.1}
+    assert {"all_pass", "style", "communication", "tool_misuse", "parallel_tool_calls",
+            "tool_efficiency"} <= set(REWARD_TERMS)
+    sample = SimpleNamespace(correctness=0.5, all_pass=False, style=-2.0, communication=1.0, tool_misuse=-3,
+                             parallel_tool_calls=0.5, tool_efficiency=-4.0)
     total, per_term = score([sample], weights)
     assert per_term["all_pass"].tolist() == [0.0] and per_term["tool_misuse"].tolist() == [-3.0]
-    assert total.item() == pytest.approx(0.5 + 0.0 - 0.2 + 0.2 - 0.15)
+    assert per_term["parallel_tool_calls"].tolist() == [0.5] and per_term["tool_efficiency"].tolist() == [-4.0]
+    assert total.item() == pytest.approx(0.5 + 0.0 - 0.2 + 0.2 - 0.15 + 0.15 - 0.4)
     with pytest.raises(ValueError, match="reads sample.style, which SimpleNamespace lacks"):
         score([SimpleNamespace(correctness=1.0)], {"style": 1.0})

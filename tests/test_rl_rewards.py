@@ -150,7 +150,8 @@ def test_parse_reward_weights():
 
 @pytest.mark.parametrize("spec,message", [
     ("brevity=0.1", r"unknown reward term 'brevity' .* known terms: \['all_pass', 'communication', "
-                    r"'correctness', 'length', 'style', 'tool_misuse'\]"),
+                    r"'correctness', 'length', 'parallel_tool_calls', 'style', 'tool_efficiency', "
+                    r"'tool_misuse'\]"),
     ("correctness", r"item 'correctness' in 'correctness' is not name=weight"),
     ("correctness=1.0,", r"item '' in 'correctness=1.0,' is not name=weight"),
     ("=1.0", r"item '=1.0' .* is not name=weight"),

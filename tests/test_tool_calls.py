@@ -6,13 +6,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_composer.data.tool_calls import (
+    MAX_CALLS_PER_MESSAGE,
     ToolCall,
     ToolFormatError,
     format_tool_call,
+    format_tool_calls,
     messages_for_template,
     parse_tool_calls,
     render_tool_response,
     render_tools,
+    tool_call_blocks,
 )
 
 WEATHER = {"type": "function", "function": {
@@ -47,7 +50,7 @@ def test_closing_tag_inside_a_json_string_does_not_end_the_block():
     ('{"name": "a", "arguments": [1]}', '"arguments" is a JSON list'),
     ('{"name": 3, "arguments": {}}', '"name" is 3'),
     ('{"name": "a", "arguments": {}, "id": 1}', "keys ['arguments', 'id', 'name']"),
-    ('["a", {}]', "the call is a JSON list"),
+    ('["a", {}]', "entry 1 of the call list: the call is a JSON str"),
     ("{'name': 'a', 'arguments': {}}", "not valid JSON"),
     ('{"name": "a", "arguments": {"x": NaN}}', "NaN is not JSON"),
     ('{"name": "a", "arguments": {}} and more', "text follows the JSON object"),
@@ -166,3 +169,50 @@ def test_a_reply_with_calls_becomes_openai_tool_calls():
     assert chat_message(reply, with_tools=False) == ({"role": "assistant", "content": reply}, False)
     broken = "<tool_call>{oops}</tool_call>"
     assert chat_message(broken, with_tools=True) == ({"role": "assistant", "content": broken}, False)
+
+
+# ---- lists of calls in one block ----------------------------------------------
+def test_a_list_block_is_its_calls_in_order():
+    text = ('first <tool_call>[{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]</tool_call>'
+            ' then <tool_call>{"name": "c", "arguments": {}}</tool_call>')
+    content, calls, errors = parse_tool_calls(text)
+    assert content == "first  then" and errors == []
+    assert calls == [ToolCall("a", {"x": 1}), ToolCall("b", {}), ToolCall("c", {})]
+    first, second = tool_call_blocks(text)
+    assert first.is_list and first.call is None and len(first.calls) == 2
+    assert not second.is_list and second.call == ToolCall("c", {})
+
+
+def test_format_tool_calls_round_trips_and_refuses_bad_lists():
+    pairs = [("read_file", {"path": "a.py"}), ("grep", {"pattern": "x", "path": "."})]
+    assert parse_tool_calls(format_tool_calls(pairs))[1] == [ToolCall(n, a) for n, a in pairs]
+    with pytest.raises(ToolFormatError, match="1 to 8 calls, got 0"):
+        format_tool_calls([])
+    with pytest.raises(ToolFormatError, match="got 9"):
+        format_tool_calls([("a", {})] * 9)
+
+
+ONE = '{"name": "a", "arguments": {}}'
+
+
+@pytest.mark.parametrize("block, problem", [
+    ("[]", "the call list is empty"),
+    ("[" + ", ".join([ONE] * (MAX_CALLS_PER_MESSAGE + 1)) + "]", "has 9 calls, more than 8"),
+    (f"[{ONE}, [{ONE}]]", "entry 2 of the call list is a list; lists of calls do not nest"),
+    (f"[[{ONE}]]", "entry 1 of the call list is a list"),
+    (f"[{ONE}, 3]", "entry 2 of the call list: the call is a JSON int"),
+    (f'[{ONE}, {{"name": "b", "arguments": "x"}}]', 'entry 2 of the call list: "arguments" is a JSON str'),
+    (f'[{ONE}, {{"name": "b"}}]', 'entry 2 of the call list: the call has keys'),
+    ('"read_file"', "the call is a JSON str, not an object"),
+    ("7", "the call is a JSON int"),
+    ("null", "the call is a JSON NoneType"),
+    (f"[{ONE}", "not valid JSON"),
+    ("[" * 100000 + "]" * 100000, "not valid JSON"),
+])
+def test_hostile_call_lists_are_one_malformed_block(block, problem):
+    text = f"x <tool_call>{block}</tool_call> y"
+    content, calls, errors = parse_tool_calls(text)
+    assert calls == [] and content == text
+    assert len(errors) == 1 and problem in errors[0] and errors[0].startswith("tool call 1:")
+    (found,) = tool_call_blocks(text)
+    assert found.calls == () and found.call is None

@@ -12,7 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_composer.data.tool_calls import ToolCall, format_tool_call, tool_call_blocks
+from megatron_composer.data.tool_calls import (MAX_CALLS_PER_MESSAGE, ToolCall, format_tool_call, format_tool_calls,
+                                               render_tool_response, tool_call_blocks)
 from megatron_composer.rl.tools import MISUSE_KINDS, TOOLS, ToolSet, ToolTurn, misuse_counts
 
 FUZZ = settings(max_examples=150, deadline=None, derandomize=True,
@@ -70,12 +71,13 @@ def check_turn(text: str, turn: ToolTurn, tools: ToolSet) -> None:
         assert [e.misuse for e in turn.events] == ["no_tool_call"] and turn.finished
         return
     events = iter(turn.events)
-    for block in blocks:
+    items = [call for block in blocks for call in (block.calls if block.problem is None else [None])]
+    for call in items[:MAX_CALLS_PER_MESSAGE]:  # a reply with more calls is cut (test_call_lists)
         event = next(events)
-        if block.call is None:
+        if call is None:
             assert event.misuse == "malformed" and not event.ok
             continue
-        name, arguments = block.call.name, block.call.arguments
+        name, arguments = call.name, call.arguments
         if name not in tools.names:
             assert event.misuse == "unknown_tool" and not event.ok
         elif not arguments_are_valid(name, arguments):
@@ -87,6 +89,8 @@ def check_turn(text: str, turn: ToolTurn, tools: ToolSet) -> None:
                 assert turn.finished and turn.final_message == arguments["message"]
                 assert [e.misuse for e in events] == (["unfinished_todo"] if tools.open_todo_items() else [])
                 return
+    if sum(c is not None for c in items) > MAX_CALLS_PER_MESSAGE:
+        return
     assert next(events, None) is None and not turn.finished
 
 
@@ -410,3 +414,83 @@ def test_grep_in_the_sandbox_matches_in_process_and_a_runaway_pattern_times_out(
     assert sandboxed.grep("x", "sub") == "sub/b.txt:1: x marks"
     text, event = sandboxed.execute(ToolCall("grep", {"pattern": "(a+)+$"}))
     assert not event.ok and "time limit" in text
+
+
+# ---- several calls in one reply -------------------------------------------------
+def _reads_workspace(root: Path) -> None:
+    (root / "a.py").write_text("alpha = 1\n")
+    (root / "b.py").write_text("beta = 2\nalpha = 3\n")
+    (root / "sub").mkdir()
+
+
+READS = [("read_file", {"path": "a.py"}), ("list_dir", {}), ("grep", {"pattern": "alpha"}),
+         ("read_file", {"path": "missing.py"}), ("read_file", {"path": 3}), ("list_dir", {"path": "sub"}),
+         ("grep", {"pattern": "("}), ("read_file", {"path": "b.py"})]
+
+
+def test_concurrent_reads_answer_exactly_what_sequential_reads_answer(tmp_path):
+    _reads_workspace(tmp_path)
+    text = format_tool_calls(READS)
+    parallel = ToolSet(tmp_path).respond(text)
+    sequential = ToolSet(tmp_path, parallel_reads=False).respond(text)
+    one_by_one = [ToolSet(tmp_path).respond(format_tool_call(n, a)) for n, a in READS]
+    assert parallel.observation == sequential.observation == "\n".join(t.observation for t in one_by_one)
+    assert parallel.events == sequential.events == [t.events[0] for t in one_by_one]
+    assert [e.name for e in parallel.events] == [n for n, _ in READS]  # call order
+    assert parallel.observation.startswith(render_tool_response("read_file", "alpha = 1\n"))
+
+
+def test_consecutive_reads_really_run_at_once(tmp_path):
+    import threading
+
+    _reads_workspace(tmp_path)
+    meeting = threading.Barrier(3, timeout=10)  # three reads that only finish together
+
+    class Meeting(ToolSet):
+        def read_file(self, path):
+            meeting.wait()
+            return super().read_file(path)
+
+    turn = Meeting(tmp_path).respond(format_tool_calls([("read_file", {"path": p}) for p in ("a.py", "b.py", "a.py")]))
+    assert [e.ok for e in turn.events] == [True] * 3
+
+
+def test_writes_run_in_order_and_reads_after_a_write_see_it(tmp_path):
+    _reads_workspace(tmp_path)
+    calls = [("read_file", {"path": "a.py"}), ("edit_file", {"path": "a.py", "search": "1", "replace": "10"}),
+             ("read_file", {"path": "a.py"}), ("list_dir", {}), ("write_file", {"path": "c.py", "content": "c"}),
+             ("list_dir", {}), ("read_file", {"path": "c.py"})]
+    turn = ToolSet(tmp_path).respond(format_tool_calls(calls))
+    assert [e.output for e in turn.events] == ["alpha = 1\n", "edited a.py", "alpha = 10\n", "a.py\nb.py\nsub/",
+                                               "wrote 1 bytes to c.py", "a.py\nb.py\nc.py\nsub/", "c"]
+    assert all(e.ok for e in turn.events) and not turn.finished
+
+
+def test_finish_in_a_list_stops_the_calls_after_it(tmp_path):
+    _reads_workspace(tmp_path)
+    turn = ToolSet(tmp_path).respond(format_tool_calls([("read_file", {"path": "a.py"}), ("finish", {"message": "m"}),
+                                                        ("write_file", {"path": "z", "content": "z"})]))
+    assert turn.finished and turn.final_message == "m" and [e.name for e in turn.events] == ["read_file", "finish"]
+    assert not (tmp_path / "z").exists()
+
+
+@pytest.mark.parametrize("text, kinds", [
+    ('<tool_call>"read_file"</tool_call>', ["malformed"]),
+    ('<tool_call>[[{"name": "list_dir", "arguments": {}}]]</tool_call>', ["malformed"]),
+    ('<tool_call>[{"name": "list_dir", "arguments": {}}, 5]</tool_call>', ["malformed"]),
+    ("<tool_call>[" + ", ".join(['{"name": "list_dir", "arguments": {}}'] * 9) + "]</tool_call>", ["malformed"]),
+    ('<tool_call>[{"name": "nope", "arguments": {}}, {"name": "list_dir", "arguments": {"x": 1}}]</tool_call>',
+     ["unknown_tool", "bad_arguments"]),
+])
+def test_malformed_call_lists_are_misuse_observations(tmp_path, text, kinds):
+    turn = ToolSet(tmp_path).respond(text)
+    assert [e.misuse for e in turn.events] == kinds and not turn.finished
+    assert turn.observation.count("<tool_response") == len(kinds)
+
+
+def test_more_calls_than_the_cap_in_separate_blocks_are_not_run(tmp_path):
+    writes = [format_tool_call("write_file", {"path": f"f{i}", "content": ""}) for i in range(MAX_CALLS_PER_MESSAGE + 2)]
+    turn = ToolSet(tmp_path).respond("".join(writes))
+    assert [e.misuse for e in turn.events] == [None] * MAX_CALLS_PER_MESSAGE + ["malformed"]
+    assert "the last 2 were not run" in turn.events[-1].error
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"f{i}" for i in range(MAX_CALLS_PER_MESSAGE))

@@ -11,9 +11,18 @@ served. The format, on top of `data.sft.render_chat`'s roles:
 
        <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>
 
-   One block per call; several blocks are several calls. The JSON is parsed
-   strictly (`json.loads` rules, no NaN/Infinity): an object with exactly a
-   string ``"name"`` and an object ``"arguments"``.
+   The JSON is parsed strictly (`json.loads` rules, no NaN/Infinity): an
+   object with exactly a string ``"name"`` and an object ``"arguments"``.
+   Several calls in one reply are several blocks, or one block holding a JSON
+   list of call objects (`format_tool_calls`)::
+
+       <tool_call>[{"name": "read_file", "arguments": {"path": "a.py"}},
+                   {"name": "read_file", "arguments": {"path": "b.py"}}]</tool_call>
+
+   A list holds 1 to `MAX_CALLS_PER_MESSAGE` call objects, never lists; a
+   list with any bad entry is one malformed block and none of its calls is
+   taken. What runs them decides the order (`rl.tools.ToolSet.respond`:
+   consecutive reads at once, everything else one by one, in order).
 3. Each result comes back as a user turn whose content is
    ``<tool_response name="get_weather">...</tool_response>`` (one block per
    result; consecutive results share one turn).
@@ -52,6 +61,7 @@ KIMI_CALL_CLOSE = "<|tool_call_end|>"
 _KIMI_CALL_ID = re.compile(r"^\s*(?:functions\.)?([A-Za-z0-9_.-]{1,64}?)(?::\d+)?\s*$")
 TOOL_NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _EXAMPLE_CALL = '<tool_call>{"name": "NAME", "arguments": {...}}</tool_call>'
+MAX_CALLS_PER_MESSAGE = 8  # calls one reply may make (a longer list is malformed)
 _WHITESPACE = re.compile(r"\s*")
 
 
@@ -91,6 +101,35 @@ def format_tool_call(name: str, arguments: dict) -> str:
     return f"{CALL_OPEN}{payload}{CALL_CLOSE}"
 
 
+def format_tool_calls(calls: Sequence[tuple[str, dict]]) -> str:
+    """One block calling every (name, arguments) of `calls` as a JSON list, in order.
+
+    Raises ToolFormatError for an empty list, more than MAX_CALLS_PER_MESSAGE
+    calls, or a call `format_tool_call` refuses.
+    """
+    if not 1 <= len(calls) <= MAX_CALLS_PER_MESSAGE:
+        raise ToolFormatError(f"a call list holds 1 to {MAX_CALLS_PER_MESSAGE} calls, got {len(calls)}; "
+                              "split it over several replies")
+    payloads = [format_tool_call(name, arguments)[len(CALL_OPEN):-len(CALL_CLOSE)] for name, arguments in calls]
+    return f"{CALL_OPEN}[{', '.join(payloads)}]{CALL_CLOSE}"
+
+
+def _check_list(value: list) -> str | None:
+    """What is wrong with a decoded list of calls, or None."""
+    if not value:
+        return "the call list is empty; give at least one call object"
+    if len(value) > MAX_CALLS_PER_MESSAGE:
+        return (f"the call list has {len(value)} calls, more than {MAX_CALLS_PER_MESSAGE}; "
+                "split it over several replies")
+    for i, entry in enumerate(value, 1):
+        if isinstance(entry, list):
+            return f"entry {i} of the call list is a list; lists of calls do not nest"
+        problem = _check_call(entry)
+        if problem is not None:
+            return f"entry {i} of the call list: {problem}"
+    return None
+
+
 def _check_call(value: Any) -> str | None:
     """What is wrong with a decoded call object, or None."""
     if not isinstance(value, dict):
@@ -116,7 +155,8 @@ def _decode_block(text: str, start: int) -> tuple[Any, int, str | None]:
         value, end = _DECODER.raw_decode(text, _WHITESPACE.match(text, start).end())
         end = _WHITESPACE.match(text, end).end()
         if text.startswith(CALL_CLOSE, end):
-            return value, end + len(CALL_CLOSE), _check_call(value)
+            problem = _check_list(value) if isinstance(value, list) else _check_call(value)
+            return value, end + len(CALL_CLOSE), problem
         problem = f"text follows the JSON object before {CALL_CLOSE}"
     except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError; deep nesting recurses
         problem = f"not valid JSON ({exc})"
@@ -154,12 +194,19 @@ def _decode_kimi_block(text: str, start: int) -> tuple[Any, int, str | None]:
 
 @dataclasses.dataclass(frozen=True)
 class CallBlock:
-    """Where one ``<tool_call>`` block lies in a text: ``text[start:end]``; `call` or `problem`."""
+    """Where one ``<tool_call>`` block lies in a text: ``text[start:end]``; its `calls` (one for a
+    call object, several for a list; none when malformed) or its `problem`."""
 
     start: int
     end: int
-    call: ToolCall | None
+    calls: tuple[ToolCall, ...]
     problem: str | None
+    is_list: bool = False
+
+    @property
+    def call(self) -> ToolCall | None:
+        """The call of a well-formed single-call block (not a list); None otherwise."""
+        return self.calls[0] if self.problem is None and not self.is_list else None
 
 
 def tool_call_blocks(text: str) -> list[CallBlock]:
@@ -181,8 +228,10 @@ def tool_call_blocks(text: str) -> list[CallBlock]:
         else:
             start = kimi
             value, end, problem = _decode_kimi_block(text, start + len(KIMI_CALL_OPEN))
-        call = ToolCall(value["name"], value["arguments"]) if problem is None else None
-        blocks.append(CallBlock(start, end, call, problem))
+        is_list = isinstance(value, list)
+        calls = () if problem is not None else tuple(
+            ToolCall(v["name"], v["arguments"]) for v in (value if is_list else [value]))
+        blocks.append(CallBlock(start, end, calls, problem, is_list))
         position = end
 
 
@@ -202,8 +251,8 @@ def parse_tool_calls(text: str) -> tuple[str, list[ToolCall], list[str]]:
     position = 0
     for number, block in enumerate(tool_call_blocks(text), start=1):
         kept.append(text[position:block.start])
-        if block.call is not None:
-            calls.append(block.call)
+        if block.problem is None:
+            calls.extend(block.calls)
         else:
             errors.append(f"tool call {number}: {block.problem}; write {_EXAMPLE_CALL}")
             kept.append(text[block.start:block.end])
@@ -254,8 +303,9 @@ def render_tools(tools: Sequence[dict]) -> str:
         "You can call the functions listed below. To call one, write\n"
         f"{_EXAMPLE_CALL}\n"
         "with the arguments as a JSON object that follows the function's parameters schema. "
-        "Write one block per call. Each result comes back in a user message as "
-        '<tool_response name="NAME">...</tool_response>.\n\n'
+        "Write one block per call, or several calls at once as a JSON list in one block "
+        f"(at most {MAX_CALLS_PER_MESSAGE}). Each result comes back in a user message as "
+        '<tool_response name="NAME">...</tool_response>, in the order of the calls.\n\n'
         f"<tools>\n{lines}\n</tools>"
     )
 

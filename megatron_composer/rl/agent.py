@@ -31,7 +31,8 @@ block (tool call; malformed blocks too), or elsewhere (thinking: prose,
 summaries and the stop token). Tool-output tokens are every appended token
 that was not generated (responses, role tokens, the summary request).
 `turns` counts model turns that answer the task (summaries excluded) and
-`tool_calls` the call blocks written.
+`tool_calls` the calls written: each call of a list block (`data.tool_calls`)
+is one, a malformed block one; these are the effort's call and turn terms.
 """
 from __future__ import annotations
 
@@ -47,8 +48,8 @@ from .rewards import EffortCounts
 from .tools import TOOLS, ToolEvent, ToolSet, render_tool_prompt
 
 SYSTEM_PROMPT = ("You are a coding agent working in a repository at /workspace. Use the tools to inspect "
-                 "and change files and to run the tests, one call per reply, then call finish with a short "
-                 "message saying what you did.")
+                 "and change files and to run the tests (independent reads together, in one reply), then "
+                 "call finish with a short message saying what you did.")
 SUMMARY_PROMPT = ("Your context is full. Write a summary of your work so far that lets you continue: the task, "
                   "what you did, what you found, and what is left. Reply with the summary only.")
 SUMMARY_HEADER = "Summary of your earlier work on this task:\n"
@@ -214,7 +215,7 @@ class _Counter:
         body = list(ids[:-1]) if ids and ids[-1] in stop_ids else list(ids)
         text = tokenizer.decode(known_ids(tokenizer, body))
         blocks = tool_call_blocks(text)
-        self.calls += len(blocks)
+        self.calls += sum(max(1, len(b.calls)) for b in blocks)
         for start in _token_starts(tokenizer, body):
             block = next((b for b in blocks if b.start <= start < b.end), None)
             if block is None:

@@ -19,6 +19,8 @@ The verdict holds one value per reward term (`rewards.REWARD_TERMS`):
     communication   1.0 when `finish` carried a final message of sensible length
     tool_misuse     -(misused calls: malformed, unknown tool, bad arguments, the terminal
                     for a dedicated tool, open to-do items at finish, no call at all)
+    parallel_tool_calls  share of the read-only calls batched with another in one message
+    tool_efficiency -(redundant calls: rereads, relistings, retests, calls after solving)
 
 A task of the swe family (`tasks.coding.swe`) counts its FAIL_TO_PASS and
 PASS_TO_PASS ids: all_pass is "resolved", and the verdict adds `resolved`,
@@ -44,7 +46,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .agent import Agent, Trajectory
-from .agentic_rewards import changed_files, communication_score, style_score, tool_misuse_score
+from .agentic_rewards import (changed_files, communication_score, parallel_tool_calls_score, style_score,
+                              tool_efficiency_score, tool_misuse_score)
 from .sandbox import Sandbox
 from .tasks.coding import CodingTask, SweVerdict, TestVerdict, load_tasks, prepare_workspace, run_tests
 from .tools import TOOLS, ToolSet
@@ -120,7 +123,10 @@ class AgenticCodingEnv:
             changes = changed_files(task.files, workspace)
         verdict = {"correctness": tests.fraction, "all_pass": float(tests.all_pass),
                    "style": style_score(changes), "communication": communication_score(trajectory.final_message),
-                   "tool_misuse": tool_misuse_score(trajectory.events, tools.open_todo_items())}
+                   "tool_misuse": tool_misuse_score(trajectory.events, tools.open_todo_items()),
+                   "parallel_tool_calls": parallel_tool_calls_score(
+                       [t.events for t in trajectory.turns if t.kind == "action"]),
+                   "tool_efficiency": tool_efficiency_score(trajectory.events)}
         if isinstance(tests, SweVerdict):
             verdict.update(resolved=float(tests.resolved), fail_to_pass=tests.fail_to_pass,
                            pass_to_pass=tests.pass_to_pass)
@@ -156,8 +162,13 @@ class AgenticCodingEnv:
 
 
 def summarize(results, tokenizer) -> dict:
-    """Mean metrics over episode results (the held-out evaluations of `environments` and `rl.evaluate`)."""
+    """Mean metrics over episode results (the held-out evaluations of `environments` and `rl.evaluate`):
+    "turns" is model turns per episode, "calls per turn" the mean over episodes of tool calls / turns,
+    "turns per solved" the mean turns of the solved episodes (0.0 when none is solved)."""
+    from .rollout import calls_per_turn
+
     n = max(1, len(results))
+    solved = [r for r in results if r.verdict["all_pass"] >= 1.0]
     summaries = [s for r in results for s in r.trajectory.summaries]
     stops = collections.Counter(r.trajectory.stop_reason for r in results)
     row = {"tasks": len(results),
@@ -165,6 +176,11 @@ def summarize(results, tokenizer) -> dict:
            "correctness": sum(r.verdict["correctness"] for r in results) / n,
            "tool misuse": sum(r.verdict["tool_misuse"] for r in results) / n,
            "turns": sum(r.trajectory.counts.turns for r in results) / n,
+           "turns per solved": (sum(r.trajectory.counts.turns for r in solved) / len(solved)) if solved else 0.0,
+           "tool calls": sum(r.trajectory.counts.tool_calls for r in results) / n,
+           "calls per turn": sum(calls_per_turn(r.trajectory.counts) for r in results) / n,
+           "parallel tool calls": sum(r.verdict["parallel_tool_calls"] for r in results) / n,
+           "tool efficiency": sum(r.verdict["tool_efficiency"] for r in results) / n,
            "summaries": len(summaries) / n,
            "summary tokens": (sum(len(tokenizer.encode(s)) for s in summaries) / len(summaries)) if summaries else 0.0,
            "generated tokens": sum(r.trajectory.generated_tokens for r in results) / n}

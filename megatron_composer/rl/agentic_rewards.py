@@ -1,4 +1,4 @@
-"""Behaviour reward values of one agent trajectory: style, communication, tool misuse.
+"""Behaviour reward values of one agent trajectory: style, communication, tool use.
 
 Pure functions of what a trajectory left behind; the agentic environment
 (`rl.agentic`) puts their values in the sample's verdict, and the reward terms
@@ -7,6 +7,9 @@ of the same names (`rewards.REWARD_TERMS`) read them from there:
     style           style_score(changed_files(task files, workspace)): -(issues), 0 is clean
     communication   communication_score(final message): 1.0 for a present message of sensible length
     tool_misuse     tool_misuse_score(events, open to-do items): -(misuses), 0 is clean
+    parallel_tool_calls  parallel_tool_calls_score(each message's events): share of the read-only
+                    calls that ran alongside another, in [0, 1)
+    tool_efficiency tool_efficiency_score(events): -(redundant calls), 0 is clean
 
 Style counts only what the model added: pyflakes warnings (it parses, never
 imports or runs the code) and reasoning left in comments, each only on lines
@@ -21,6 +24,7 @@ from __future__ import annotations
 import difflib
 import io
 import os
+import posixpath
 import re
 import stat
 import tokenize
@@ -31,7 +35,7 @@ from pyflakes import checker as pyflakes_checker
 
 from .tasks.coding.task import CACHE_DIRS, CACHE_SUFFIXES
 from .tasks.python_ast import PARSE_LOCK, parse_python
-from .tools import ToolEvent, misuse_counts
+from .tools import READ_ONLY_TOOLS, WORKSPACE_MOUNT, ToolEvent, misuse_counts
 
 MAX_TEXT_BYTES = 1 << 20  # larger files are not read (nor scored)
 MAX_STYLE_PENALTY = 10  # style_score is at least -MAX_STYLE_PENALTY
@@ -200,3 +204,82 @@ def tool_misuse_score(events: Sequence[ToolEvent], open_todo_items: int) -> floa
     if open_todo_items > 0 and counts["no_tool_call"] and not counts["unfinished_todo"]:
         total += 1
     return -float(total)
+
+
+def parallel_tool_calls_score(messages: Sequence[Sequence[ToolEvent]]) -> float:
+    """Credit for batching independent calls: B / N, 0.0 when N = 0.
+
+    `messages` holds the events of each model message of a trajectory, in order
+    (`[turn.events for turn in trajectory.turns]`). In each message, a batch is
+    a maximal run of consecutive read-only calls (`tools.READ_ONLY_TOOLS`) that
+    ran (misuse None); these are exactly the calls `ToolSet.respond` runs at
+    once. N is the number of such calls over the trajectory and
+    B = sum over batches of (batch size - 1), the model turns the batching
+    saved. So three reads in one message and one read alone give 2 / 4 = 0.5;
+    reads made one per message give 0. Writes, runs and tests are never
+    credited: a call that needs an earlier call's result cannot share its turn.
+    """
+    total = saved = 0
+    for events in messages:
+        run = 0
+        for event in [*events, None]:  # None closes the last batch
+            if event is not None and event.name in READ_ONLY_TOOLS and event.misuse is None:
+                run += 1
+                continue
+            total, saved, run = total + run, saved + max(0, run - 1), 0
+    return saved / total if total else 0.0
+
+
+_ALL_PASS_REPORT = re.compile(r"(\d+) passed, 0 failed, 0 errors of \1 tests(?! \(timed out\))")
+_CHANGING_TOOLS = ("write_file", "edit_file", "run")  # calls that may change the workspace
+_NOT_RUN = ("unknown_tool", "bad_arguments")
+
+
+def _place(arguments: Optional[dict]) -> str:
+    """A workspace path as one key: "a.py", "./a.py" and "/workspace/a.py" are one file."""
+    path = str((arguments or {}).get("path", ".")).strip()
+    if path == WORKSPACE_MOUNT or path.startswith(WORKSPACE_MOUNT + "/"):
+        path = path[len(WORKSPACE_MOUNT):].lstrip("/")
+    return posixpath.normpath(path or ".")
+
+
+def tool_efficiency_score(events: Sequence[ToolEvent]) -> float:
+    """-(redundant calls) over a trajectory's events, in order; 0.0 is clean.
+
+    A call (an event with a tool name; `finish` and `todo` excluded: ending
+    the task and ticking off the list are never waste) is redundant when, since
+    the last call that may have changed the workspace (a `write_file` or
+    `edit_file` that succeeded, or any `run` that ran), at least one holds:
+
+        reread      it is `read_file` of a file already read successfully
+        relist      it is `list_dir` of a folder already listed successfully
+        retest      it is `run_tests` and `run_tests` already ran
+        solved      the last `run_tests` reported every test passing
+                    ("N passed, 0 failed, 0 errors of N tests", N >= 1)
+
+    Each redundant call counts once, whatever the number of reasons. Paths
+    are compared after normalization ("./a.py", "a.py" and "/workspace/a.py"
+    are one file). Calls that were not run (unknown tool, bad arguments) are
+    misuse, counted by `tool_misuse_score`, not here.
+    """
+    read: set[str] = set()
+    listed: set[str] = set()
+    tested = solved = False
+    redundant = 0
+    for event in events:
+        if event.name is None or event.name in ("finish", "todo") or event.misuse in _NOT_RUN:
+            continue
+        place = _place(event.arguments)
+        redundant += int(solved or (event.name == "read_file" and place in read)
+                         or (event.name == "list_dir" and place in listed)
+                         or (event.name == "run_tests" and tested))
+        if event.name in _CHANGING_TOOLS and (event.ok or event.name == "run"):
+            read, listed, tested, solved = set(), set(), False, False
+        elif event.name == "read_file" and event.ok:
+            read.add(place)
+        elif event.name == "list_dir" and event.ok:
+            listed.add(place)
+        elif event.name == "run_tests":
+            match = _ALL_PASS_REPORT.match(event.output) if event.ok else None
+            tested, solved = True, bool(match) and int(match.group(1)) >= 1
+    return -float(redundant)

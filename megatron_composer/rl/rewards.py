@@ -9,6 +9,8 @@ the loop can log each one. Built-in terms:
     style         sample.style (-(style issues the model added), 0 is clean; `agentic_rewards`)
     communication sample.communication (1.0 for a final message of sensible length)
     tool_misuse   sample.tool_misuse (-(misused tool calls), 0 is clean)
+    parallel_tool_calls sample.parallel_tool_calls (share of reads batched in one message)
+    tool_efficiency sample.tool_efficiency (-(redundant tool calls), 0 is clean)
     length        -length_penalty(effort(sample.effort_counts, w), k, q)
 
 The length penalty is the recipe's concave, increasing
@@ -179,7 +181,8 @@ class LengthPenaltyConfig:
 RewardFn = Callable[[Any], float]
 
 
-VERDICT_TERMS = ("correctness", "all_pass", "style", "communication", "tool_misuse")
+VERDICT_TERMS = ("correctness", "all_pass", "style", "communication", "tool_misuse", "parallel_tool_calls",
+                 "tool_efficiency")
 
 
 def verdict_term(name: str) -> RewardFn:

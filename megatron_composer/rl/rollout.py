@@ -41,6 +41,11 @@ def completion_sample(group: int, trajectory: int, completion, tokenizer, task, 
                          rewards=task.verify(prompt, text), trajectory=trajectory)
 
 
+def calls_per_turn(counts) -> float:
+    """Tool calls per model turn of one trajectory (`rewards.EffortCounts`); 0.0 without turns."""
+    return counts.tool_calls / counts.turns if counts.turns else 0.0
+
+
 def episode_samples(results, groups: list[int], group_size: int, tokenizer, rules: Optional[dict] = None,
                     hint_role: str = "user") -> list[RolloutSample]:
     """Agent episodes (`agentic.EpisodeResult`, in group order, `group_size` per group; `groups[j]` is
@@ -53,7 +58,8 @@ def episode_samples(results, groups: list[int], group_size: int, tokenizer, rule
         info = {"turns": traj.counts.turns, "summaries": len(traj.summaries),
                 "summary tokens": sum(len(tokenizer.encode(x)) for x in traj.summaries),
                 "finished": float(traj.finished), "generated tokens": traj.generated_tokens,
-                "tool calls": traj.counts.tool_calls, "lost episodes": float(result.lost)}
+                "tool calls": traj.counts.tool_calls, "calls per turn": calls_per_turn(traj.counts),
+                "lost episodes": float(result.lost)}
         for seg in traj.segments:
             samples.append(RolloutSample(
                 g, seg.prompt_ids, seg.completion_ids, seg.logprobs, seg.padded_routes(), seg.policy_versions,

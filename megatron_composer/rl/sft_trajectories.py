@@ -2,7 +2,8 @@
 
 Before RL a small model has to know the tool format. For each task this
 plays an expert through the real tools, on a real workspace: read the files
-the task names (`CodingTask.reads`), apply the reference solution
+the task names (`CodingTask.reads`; all of them in one reply, as a list of
+calls, since no read depends on another), apply the reference solution
 (`write_file` for a whole file, `edit_file` for a search/replace), run the
 tests (families with tests in the workspace), then `finish` with a short
 message. Feature-deletion trajectories also keep a to-do list. Every
@@ -29,20 +30,23 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ..data.tool_calls import format_tool_call
+from ..data.tool_calls import MAX_CALLS_PER_MESSAGE, format_tool_call, format_tool_calls
 from .agent import system_prompt
 from .agentic import test_report
 from .sandbox import Sandbox
 from .tasks.coding import CodingTask, load_tasks, prepare_workspace, run_tests
-from .tools import TOOLS, ToolSet
+from .tools import READ_ONLY_TOOLS, TOOLS, ToolSet
 
 # families whose workspace holds the tests the model is asked to make pass
 _RUNS_TESTS = ("set-constant", "fix-bug", "feature-deletion")
 _KEEPS_TODO = ("feature-deletion",)
 
 
+Step = list[tuple[str, dict]]  # the calls of one assistant message, in order
+
+
 def expert_steps(task: CodingTask) -> list[tuple[str, dict]]:
-    """The expert's calls for `task`, in order, ending with finish."""
+    """The expert's calls for `task`, in order, ending with finish (`expert_messages` groups them)."""
     edited = sorted({e.path for e in task.solution})
     steps: list[tuple[str, dict]] = []
     todo = [{"text": f"reimplement the removed code in {p}", "done": False} for p in edited]
@@ -64,6 +68,25 @@ def expert_steps(task: CodingTask) -> list[tuple[str, dict]]:
     return steps
 
 
+def expert_messages(task: CodingTask) -> list[Step]:
+    """`expert_steps` as the expert's messages: consecutive reads share one message (in lists of
+    at most MAX_CALLS_PER_MESSAGE), since no read depends on another; every other call is a
+    message of its own, since what comes next depends on its result."""
+    messages: list[Step] = []
+    for name, arguments in expert_steps(task):
+        batch = messages and name in READ_ONLY_TOOLS and all(n in READ_ONLY_TOOLS for n, _ in messages[-1])
+        if batch and len(messages[-1]) < MAX_CALLS_PER_MESSAGE:
+            messages[-1].append((name, arguments))
+        else:
+            messages.append([(name, arguments)])
+    return messages
+
+
+def step_text(step: Step) -> str:
+    """What the assistant writes for one step: one call block, or one block with the list of calls."""
+    return format_tool_call(*step[0]) if len(step) == 1 else format_tool_calls(step)
+
+
 def expert_conversation(task: CodingTask, *, tool_names: Sequence[str] = tuple(TOOLS),
                         sandbox_kwargs: Optional[dict] = None, workdir: Optional[str] = None) -> list[dict]:
     """The chat messages of one scripted trajectory (system, user, then assistant / tool turns)."""
@@ -75,13 +98,13 @@ def expert_conversation(task: CodingTask, *, tool_names: Sequence[str] = tuple(T
         prepare_workspace(task, workspace)
         tools = ToolSet(workspace, Sandbox(workspace, **sandbox_kwargs), names=tool_names,
                         run_tests=lambda: test_report(run_tests(task, workspace, sandbox_kwargs=sandbox_kwargs)))
-        for name, arguments in expert_steps(task):
-            text = format_tool_call(name, arguments)
+        for step in expert_messages(task):
+            text = step_text(step)
             messages.append({"role": "assistant", "content": text})
             turn = tools.respond(text)
             bad = [e for e in turn.events if e.misuse or not e.ok]
             if bad:
-                raise RuntimeError(f"the expert trajectory of {task.key} failed at {name}: "
+                raise RuntimeError(f"the expert trajectory of {task.key} failed at {bad[0].name}: "
                                    f"{bad[0].error or bad[0].misuse}")
             if turn.finished:
                 break

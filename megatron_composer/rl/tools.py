@@ -18,6 +18,17 @@ and reads each result back in a user turn as
     todo(items)                        write the to-do list: [{"text": ..., "done": false}, ...]
     finish(message)                    end the task with a final message to the user
 
+One reply may make several calls (`data.tool_calls`: several blocks, or a
+JSON list in one block; at most `MAX_CALLS_PER_MESSAGE` in all). They run
+in the order written, except that a run of consecutive read-only calls
+(`READ_ONLY_TOOLS`: read_file, list_dir, grep) runs at once, in threads;
+every other call (a write, `run`, `run_tests`, `todo`, `finish`) waits for
+the calls before it and runs alone. So a read written after a write sees the
+write, and reads that run together cannot see each other's effects (they
+have none). The responses come back in call order in one user turn.
+(`grep` runs in the sandbox, which runs one command at a time: the greps of a
+batch take turns there while its file reads and listings go on.)
+
 Calls are checked strictly: the JSON of the block (`data.tool_calls`), the
 tool's name, and its arguments against the tool's parameters (required ones
 present, no unknown ones, exact JSON types: `true` is not an integer). A
@@ -35,6 +46,7 @@ check and the use.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import inspect
 import os
@@ -43,7 +55,7 @@ import shlex
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from ..data.tool_calls import ToolCall, render_tool_response, tool_call_blocks
+from ..data.tool_calls import MAX_CALLS_PER_MESSAGE, ToolCall, render_tool_response, tool_call_blocks
 
 WORKSPACE_MOUNT = "/workspace"  # the workspace's path inside the sandbox
 
@@ -88,6 +100,9 @@ TOOLS: dict[str, ToolSpec] = {spec.name: spec for spec in (
         "items": Param("array", 'list of {"text": str, "done": bool}')}),
     ToolSpec("finish", "end the task", {"message": Param("string", "final message to the user")}),
 )}
+
+# tools that change nothing (files, to-do list, sandbox): consecutive calls of them run at once
+READ_ONLY_TOOLS = ("read_file", "list_dir", "grep")
 
 # what `run` should not be used for when the dedicated tool is offered: first word -> tool
 _TERMINAL_FOR = {"cat": "read_file", "head": "read_file", "tail": "read_file", "less": "read_file",
@@ -151,7 +166,9 @@ def render_tool_prompt(names: Sequence[str]) -> str:
         args = ", ".join(f"{k}: {p.type}" + ("" if p.required else "?") for k, p in spec.params.items())
         lines.append(f"- {name}({args}): {spec.description}")
     return ("Tools (call one by writing "
-            '<tool_call>{"name": NAME, "arguments": {...}}</tool_call>):\n' + "\n".join(lines))
+            '<tool_call>{"name": NAME, "arguments": {...}}</tool_call>; '
+            f"several as a JSON list, at most {MAX_CALLS_PER_MESSAGE}):\n"
+            + "\n".join(lines))
 
 
 def check_arguments(spec: ToolSpec, arguments: dict) -> Optional[str]:
@@ -180,6 +197,7 @@ class ToolEvent:
     ok: bool  # ran without error
     misuse: Optional[str] = None  # one of MISUSE_KINDS
     error: Optional[str] = None
+    output: str = ""  # the response text the model got (run_tests: the report `agentic_rewards` reads)
 
 
 @dataclasses.dataclass
@@ -206,11 +224,13 @@ class ToolSet:
         names: the tools offered (default: all); a call to another is "unknown_tool".
         max_output_chars: longer results are cut, with a note saying so.
         max_file_bytes: read_file refuses, and write_file / edit_file will not write, larger files.
+        parallel_reads: run consecutive read-only calls of one reply at once (False: one by one;
+            the responses are the same either way).
     """
 
     def __init__(self, workspace, sandbox=None, *, run_tests: Optional[Callable[[], str]] = None,
                  names: Sequence[str] = tuple(TOOLS), max_output_chars: int = 2000,
-                 max_file_bytes: int = 1 << 20):
+                 max_file_bytes: int = 1 << 20, parallel_reads: bool = True):
         unknown = [n for n in names if n not in TOOLS]
         if unknown:
             raise ValueError(f"unknown tool {unknown[0]!r}; the tools are {', '.join(TOOLS)}")
@@ -220,6 +240,7 @@ class ToolSet:
         self.sandbox, self._run_tests = sandbox, run_tests
         self.names = tuple(names)
         self.max_output_chars, self.max_file_bytes = max_output_chars, max_file_bytes
+        self.parallel_reads = parallel_reads
         self.todo_items: list[dict] = []
 
     # ---- paths ------------------------------------------------------------
@@ -366,7 +387,13 @@ class ToolSet:
         return tool if tool in self.names else None
 
     def execute(self, call: ToolCall) -> tuple[str, ToolEvent]:
-        """Run one parsed call: (its response text, its event). Never raises on model input."""
+        """Run one parsed call: (its response text, its event, whose `output` is that text).
+        Never raises on model input."""
+        text, event = self._execute(call)
+        event.output = text
+        return text, event
+
+    def _execute(self, call: ToolCall) -> tuple[str, ToolEvent]:
         if call.name not in self.names:
             error = f"unknown tool {call.name!r}; the tools are {', '.join(self.names)}"
             return error, ToolEvent(call.name, call.arguments, False, "unknown_tool", error)
@@ -390,36 +417,70 @@ class ToolSet:
         return text, ToolEvent(call.name, call.arguments, True, misuse)
 
     def respond(self, text: str) -> ToolTurn:
-        """Everything one model reply asks for: its calls run in order, up to `finish`.
+        """Everything one model reply asks for: its calls run (module docstring), up to `finish`.
 
         Malformed blocks get an error response (misuse "malformed"); a reply
         with no block at all is "no_tool_call" and ends the task (its text is
-        taken as the final message). Calls after `finish` are not run.
+        taken as the final message). Calls after `finish` are not run, nor
+        those past the first MAX_CALLS_PER_MESSAGE (one "malformed" event says so).
         """
-        responses: list[str] = []
-        events: list[ToolEvent] = []
         blocks = tool_call_blocks(text)
         if not blocks:
-            events.append(ToolEvent(None, None, False, "no_tool_call", "the reply has no tool call"))
-            return ToolTurn("", events, finished=True, final_message=None)
+            event = ToolEvent(None, None, False, "no_tool_call", "the reply has no tool call")
+            return ToolTurn("", [event], finished=True, final_message=None)
+        # the reply's items in order: a call, or the error of a malformed block
+        items: list[ToolCall | str] = []
         for number, block in enumerate(blocks, 1):
-            if block.call is None:
-                error = f"tool call {number}: {block.problem}"
-                events.append(ToolEvent(None, None, False, "malformed", error))
+            if block.problem is not None:
+                items.append(f"tool call {number}: {block.problem}")
+            else:
+                items += block.calls
+        calls = [i for i, item in enumerate(items) if isinstance(item, ToolCall)]
+        dropped = len(calls) - MAX_CALLS_PER_MESSAGE
+        if dropped > 0:
+            items = items[:calls[MAX_CALLS_PER_MESSAGE]]
+            items.append(f"the reply makes {len(calls)} calls, more than {MAX_CALLS_PER_MESSAGE}; "
+                         f"the last {dropped} were not run: make them in the next reply")
+        responses: list[str] = []
+        events: list[ToolEvent] = []
+        for group in self._groups(items):
+            if isinstance(group[0], str):
+                error = group[0]
+                events.append(ToolEvent(None, None, False, "malformed", error, output=error))
                 responses.append(render_tool_response("invalid", error + '; write <tool_call>{"name": '
                                                       '"NAME", "arguments": {...}}</tool_call>'))
                 continue
-            response, event = self.execute(block.call)
-            events.append(event)
-            if event.name == "finish" and event.ok:
-                open_items = [t["text"] for t in self.todo_items if not t["done"]]
-                if open_items:
-                    listed = "; ".join(repr(t[:80]) for t in open_items[:5])
-                    events.append(ToolEvent("finish", None, False, "unfinished_todo",
-                                            f"{len(open_items)} to-do items are open at finish: {listed}"))
-                return ToolTurn("\n".join(responses), events, True, block.call.arguments["message"])
-            responses.append(render_tool_response(block.call.name, response))
+            for call, (response, event) in zip(group, self._run_group(group)):
+                events.append(event)
+                if event.name == "finish" and event.ok:
+                    open_items = [t["text"] for t in self.todo_items if not t["done"]]
+                    if open_items:
+                        listed = "; ".join(repr(t[:80]) for t in open_items[:5])
+                        events.append(ToolEvent("finish", None, False, "unfinished_todo",
+                                                f"{len(open_items)} to-do items are open at finish: {listed}"))
+                    return ToolTurn("\n".join(responses), events, True, call.arguments["message"])
+                responses.append(render_tool_response(call.name, response))
         return ToolTurn("\n".join(responses), events)
+
+    @staticmethod
+    def _groups(items: list) -> list[list]:
+        """`items` cut into what runs together: each run of consecutive read-only calls is one
+        group; every other call and every error is a group of its own."""
+        groups: list[list] = []
+        for item in items:
+            reads = isinstance(item, ToolCall) and item.name in READ_ONLY_TOOLS
+            if reads and groups and isinstance(groups[-1][0], ToolCall) and groups[-1][0].name in READ_ONLY_TOOLS:
+                groups[-1].append(item)
+            else:
+                groups.append([item])
+        return groups
+
+    def _run_group(self, group: list[ToolCall]) -> list[tuple[str, ToolEvent]]:
+        """(response, event) of each call of `group`, in its order: read-only groups at once."""
+        if len(group) == 1 or not self.parallel_reads:
+            return [self.execute(call) for call in group]
+        with concurrent.futures.ThreadPoolExecutor(len(group), thread_name_prefix="tool-read") as pool:
+            return list(pool.map(self.execute, group))
 
 
 def misuse_counts(events: Sequence[ToolEvent]) -> dict[str, int]:
