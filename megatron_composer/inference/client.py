@@ -211,32 +211,62 @@ class HTTPRolloutClient:
             text=choice.get("text"), top_logprobs=top)
 
     def _generate_sglang(self, prompt: list[int], p: SamplingParams) -> Completion:
+        return self.sglang_completion(prompt, self._post("/generate", self.sglang_body(prompt, p)), p)
+
+    def sglang_body(self, prompt, p: SamplingParams) -> dict:
+        """SGLang's /generate request of `prompt` (token ids, or a list of prompts: a batch)."""
         sampling = {"max_new_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p,
                     "top_k": p.top_k or -1, "stop_token_ids": list(p.stop_token_ids), "ignore_eos": True}
         if p.stop:
             sampling["stop"] = list(p.stop)
-        body = {"input_ids": prompt, "sampling_params": sampling, "return_logprob": True,
+        if p.seed is not None:
+            sampling["sampling_seed"] = int(p.seed)
+        return {"input_ids": prompt, "sampling_params": sampling, "return_logprob": True,
                 "top_logprobs_num": p.top_logprobs, "return_routed_experts": p.return_routed_experts}
-        data = self._post("/generate", body)
-        meta = data["meta_info"]
-        tokens = meta.get("output_token_logprobs") or []
-        ids = [int(row[1]) for row in tokens]
+
+    def sglang_completion(self, prompt: list[int], data, p: SamplingParams) -> Completion:
+        """One result of SGLang's /generate (`data`) as a `Completion`; a malformed one raises a ValueError
+        naming the server (never a silently wrong sample)."""
+        where = f"SGLang's /generate at {self.base_url}"
+        try:
+            meta = data["meta_info"]
+            tokens = meta["output_token_logprobs"]
+            ids = [int(row[1]) for row in tokens]
+            logprobs = [float(row[0]) for row in tokens]
+        except (KeyError, TypeError, IndexError, ValueError) as error:
+            raise ValueError(f"{where} answered without per-token log-probs (meta_info.output_token_logprobs "
+                             f"[[logprob, id, text], ...]): {str(data)[:200]}") from error
         version = meta.get("weight_version")
         versions = [int(version) if str(version).lstrip("-").isdigit() else self.version] * len(ids)
         routes = None
         if p.return_routed_experts and meta.get("routed_experts") is not None:
-            flat = torch.frombuffer(bytearray(base64.b64decode(meta["routed_experts"])), dtype=torch.int32)
-            routes = flat.reshape(-1, *self.moe_shape)
+            routes = self._sglang_routes(meta["routed_experts"], len(prompt) + len(ids), where)
         top = [[(int(row[1]), float(row[0])) for row in position]
                for position in meta.get("output_top_logprobs") or []] if p.top_logprobs else []
         finish = meta.get("finish_reason") or {}
+        reason = finish.get("type", "stop") if isinstance(finish, dict) else str(finish)
+        if reason == "abort":
+            raise RuntimeError(f"{where} aborted the request: {finish.get('message', finish)}")
         return Completion(
-            prompt_token_ids=prompt, token_ids=ids,
-            logprobs=[float(row[0]) for row in tokens] if p.logprobs else [], sampling_logprobs=[],
+            prompt_token_ids=prompt, token_ids=ids, logprobs=logprobs if p.logprobs else [], sampling_logprobs=[],
             routed_experts=_full_routes(routes, len(prompt) + len(ids), self.moe_shape) if p.return_routed_experts
             else None,
-            policy_versions=versions, finish_reason=finish.get("type", "stop") if isinstance(finish, dict)
-            else str(finish), text=data.get("text"), top_logprobs=top)
+            policy_versions=versions, finish_reason=reason, text=data.get("text"), top_logprobs=top)
+
+    def _sglang_routes(self, encoded, total: int, where: str) -> torch.Tensor:
+        """SGLang's routed experts (base64 int32, flat [tokens, layers, topk]) as a tensor; a row count past
+        the sequence, short of all but its last token, or not a whole number of rows raises."""
+        layers, topk = self.moe_shape
+        try:
+            raw = base64.b64decode(encoded, validate=True)
+        except (ValueError, TypeError) as error:
+            raise ValueError(f"{where} sent routed experts that are not base64: {str(encoded)[:80]!r}") from error
+        row = 4 * layers * topk
+        if len(raw) % row or not total - 1 <= len(raw) // row <= total:
+            raise ValueError(f"{where} sent {len(raw)} bytes of routed experts for {total} tokens; expected int32 "
+                             f"[{total - 1} or {total}, {layers} MoE layers, top-{topk}] ({row} bytes a token): is "
+                             "it serving this model?")
+        return torch.frombuffer(bytearray(raw), dtype=torch.int32).reshape(-1, layers, topk)
 
     # -------------------------------------------------------------- weights
     def update_weights(self, source, version: int | None = None) -> int:

@@ -14,6 +14,7 @@ from ..config import TrainingConfig
 from ..training.arguments import LoggingConfig, ModelSource, ParallelSizes, build_parser, parse_args
 from .algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS
 from .config import KL_PLACEMENTS, ROLLOUT_BACKENDS, AsyncConfig, RLConfig
+from .sglang_backend import DTYPES as SGLANG_DTYPES, WEIGHT_TRANSPORTS as SGLANG_TRANSPORTS
 from .vllm_server import DTYPES as VLLM_DTYPES
 from .environments import ENVIRONMENTS
 from .tasks import TASKS
@@ -115,7 +116,8 @@ def build_rl_parser():
     g = p.add_argument_group("rollouts through vLLM (--rollout-backend vllm)")
     g.add_argument("--rollout-backend", choices=ROLLOUT_BACKENDS, default=d.rollout_backend,
                    help="engine: our engine colocated with the trainer; vllm: a vLLM server (started here in "
-                        "vLLM's own venv, or --vllm-url), weights pushed after every step")
+                        "vLLM's own venv, or --vllm-url); sglang: SGLang servers (--sglang-url); weights pushed "
+                        "after every step")
     g.add_argument("--vllm-url", default=d.vllm_url,
                    help="a running vLLM server (VLLM_SERVER_DEV_MODE=1, --worker-extension-cls "
                         "megatron_composer.rl.vllm_worker.WeightSwapExtension, --logprobs-mode processed_logprobs)")
@@ -144,6 +146,19 @@ def build_rl_parser():
                         "the version that sampled it (PipelineRL style); 0: one request per completion, a push "
                         "waits for it")
     g.add_argument("--vllm-extra-args", default=d.vllm_extra_args, help="more vLLM server flags, space-separated")
+
+    g = p.add_argument_group("rollouts through SGLang (--rollout-backend sglang)")
+    g.add_argument("--sglang-url", default=d.sglang_url,
+                   help="running SGLang servers, URL[,URL...] (python -m sglang.launch_server --model-path HF_DIR "
+                        "--skip-tokenizer-init [--enable-return-routed-experts]); prompts are spread over them")
+    g.add_argument("--sglang-weight-transport", choices=SGLANG_TRANSPORTS, default=d.sglang_weight_transport,
+                   help="tensor: /update_weights_from_tensor (shared memory: a server on this host); disk: "
+                        "/update_weights_from_disk of a Hugging Face directory written to --sglang-weight-dir")
+    g.add_argument("--sglang-weight-dir", default=d.sglang_weight_dir,
+                   help="--sglang-weight-transport disk: the directory written every step (a path the servers "
+                        "read; default: a temporary one)")
+    g.add_argument("--sglang-dtype", choices=SGLANG_DTYPES, default=d.sglang_dtype,
+                   help="default: bfloat16 with --bf16, else float32 (the weights are pushed in it)")
 
     g = p.add_argument_group("agentic environment (--env agentic-coding)")
     g.add_argument("--env", choices=sorted(ENVIRONMENTS), default=d.env,
@@ -253,6 +268,17 @@ def parse_rl_args(argv: Optional[list[str]] = None) -> RLRunConfig:
     if rl.algorithm.micro_batch_tokens < args.seq_length:
         raise ValueError(f"--rl-micro-batch-tokens {rl.algorithm.micro_batch_tokens} is below --seq-length "
                          f"{args.seq_length}: a sample of full length would fit no micro-batch")
+    if rl.rollout.backend == "sglang":
+        if args.async_rl or args.ray_address is not None:
+            raise ValueError("--rollout-backend sglang runs in the synchronous loop (train_rl.py without --async-rl "
+                             "/ --ray-address); the asynchronous loop drives our engine or vLLM "
+                             "(--rollout-backend vllm)")
+        if args.rollout_server:
+            raise ValueError(f"--rollout-backend sglang with --rollout-server {args.rollout_server}: the SGLang "
+                             "servers are given by --sglang-url; drop --rollout-server")
+        if not rl.sglang.urls:
+            raise ValueError("--rollout-backend sglang needs --sglang-url URL[,URL...] (a running SGLang server; "
+                             "README: Rollouts through vLLM (and SGLang))")
     if rl.rollout.backend == "vllm" and args.rollout_server:
         raise ValueError(f"--rollout-backend vllm with --rollout-server {args.rollout_server}: the vLLM servers "
                          "are the inference workers' (their own, or --vllm-url URL[,URL...]); drop one of the two")

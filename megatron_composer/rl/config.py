@@ -7,6 +7,7 @@
       environment  `--env` and what it needs: tasks, turns, summaries, the sandbox (`environments.py`)
       feedback     textual feedback: hint rules, the teacher and its KL (`feedback.py`, `feedback_loss.py`)
       vllm         the vLLM server of `--rollout-backend vllm` (`vllm_server.VLLMConfig`, `--vllm-*`)
+      sglang       the SGLang servers of `--rollout-backend sglang` (`sglang_backend.SGLangConfig`, `--sglang-*`)
     AsyncConfig    the asynchronous services (`--async-rl`)
 
 Each section checks its own values; `RLConfig` checks what spans sections.
@@ -19,11 +20,13 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS
+from .sglang_backend import SGLangConfig
 from .vllm_server import VLLMConfig
 
 KL_PLACEMENTS = ("reward", "loss")
-# where the synchronous loop's samples come from: our engine colocated with the trainer, or a vLLM server
-ROLLOUT_BACKENDS = ("engine", "vllm")
+# where the synchronous loop's samples come from: our engine colocated with the trainer, a vLLM server or
+# SGLang servers
+ROLLOUT_BACKENDS = ("engine", "vllm", "sglang")
 
 
 def _at_least(section, minimum: int, *names: str) -> None:
@@ -214,8 +217,9 @@ class FeedbackConfig:
 _RENAMED = {"env": ("environment", "name"), "reward": ("reward", "terms"), "reward_module": ("reward", "modules"),
             "rollout_backend": ("rollout", "backend")}
 _SECTIONS = {"rollout": RolloutConfig, "algorithm": AlgorithmConfig, "reward": RewardConfig,
-             "environment": EnvironmentConfig, "feedback": FeedbackConfig, "vllm": VLLMConfig}
-_PREFIXED = ("feedback", "vllm")
+             "environment": EnvironmentConfig, "feedback": FeedbackConfig, "vllm": VLLMConfig,
+             "sglang": SGLangConfig}
+_PREFIXED = ("feedback", "vllm", "sglang")
 
 
 @dataclass(frozen=True)
@@ -228,6 +232,7 @@ class RLConfig:
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
     feedback: FeedbackConfig = field(default_factory=FeedbackConfig)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
     def __post_init__(self):
         from .environments import environment_class

@@ -122,6 +122,9 @@ class RLTrainer:
         if rl.rollout.backend == "vllm":
             self.backend = self._vllm_backend()
             self.rl = rl = self._replay_for_backend(rl)
+        elif rl.rollout.backend == "sglang":
+            self.backend = self._sglang_backend()
+            self.rl = rl = self._replay_for_backend(rl)
         elif colocated_engine_refusal(layout.tp, layout.ep, cfg.data_parallel_sharding) is None:
             self.engine = Engine(t.model, model_cfg, tokenizer, max_batch_size=rl.rollout.rollout_batch_size,
                                  max_model_len=self.max_len)
@@ -183,13 +186,26 @@ class RLTrainer:
         self.vllm_workdir = workdir
         return backend
 
+    def _sglang_backend(self):
+        """`--rollout-backend sglang`: the --sglang-url servers, given the weights now in the model
+        (`sglang_backend.start_for_ranks`)."""
+        from .sglang_backend import start_for_ranks
+
+        rl = self.rl
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
+            rl.sglang.dtype or ("bfloat16" if self.cfg.bf16 else "float32")]
+        return start_for_ranks(self.model_cfg, rl.sglang, self._policy_weights(dtype), dtype=dtype,
+                               version=self.state.iteration, routed_experts=rl.algorithm.router_replay,
+                               log=self.log.print)
+
     def _replay_for_backend(self, rl: RLConfig) -> RLConfig:
         """Router replay off, said once, where the backend does not return routed experts: the trainer's
         routers route every token of every sample (never a mix of replayed and unreplayed samples)."""
         if not (rl.algorithm.router_replay and self.model_cfg.num_moe_layers) or self.backend.capabilities.routed_experts:
             return rl
         self.log.print(f"> router replay off: the {self.backend.name} backend does not return the routed experts "
-                       f"(vLLM returns them only from its GPU model runner, --enable-return-routed-experts); the "
+                       f"(vLLM returns them only from its GPU model runner, SGLang with "
+                       f"--enable-return-routed-experts); the "
                        f"trainer's routers route every token (metric 'router replay' 0)")
         return rl.replace(router_replay=False)
 
