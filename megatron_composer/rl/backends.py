@@ -22,7 +22,8 @@ Registered here: `engine` (our engine in this process, sharing the trainer's
 weights: laptops, tests, the exactness reference) and `http` (a server of
 ours, vLLM or SGLang behind `inference.HTTPRolloutClient`); `vllm_backend`
 registers `vllm` (vLLM's server, started by the run or given by URL, weights
-pushed after every step). The async services add a Ray actor's handle
+pushed after every step) and `sglang_backend` `sglang` (SGLang servers given by
+URL, the same). The async services add a Ray actor's handle
 (`async_rl.services.RayBackend`). A backend driven some other way is one more
 `@register_backend` class; nothing outside the backends branches on which
 one runs.
