@@ -41,14 +41,16 @@ class FakeSGLang:
 
     def sample(self, prompt, sampling) -> dict:
         seed = sampling.get("sampling_seed") or 0
+        # SGLang checks stop tokens only without ignore_eos (`Req._check_token_based_finish`)
+        stops = [] if sampling.get("ignore_eos") else sampling.get("stop_token_ids", [])
         ids, logprobs = [], []
         for j in range(sampling["max_new_tokens"]):
             token = (sum(prompt) + 7 * seed + 3 * j + self.checksum()) % CFG.vocab_size
             ids.append(token)
             logprobs.append(-0.125 * (j + 1))
-            if token in sampling.get("stop_token_ids", []):
+            if token in stops:
                 break
-        finish = ({"type": "stop", "matched": ids[-1]} if ids[-1] in sampling.get("stop_token_ids", [])
+        finish = ({"type": "stop", "matched": ids[-1]} if ids[-1] in stops
                   else {"type": "length", "length": len(ids)})
         meta = {"id": "r", "prompt_tokens": len(prompt), "completion_tokens": len(ids), "finish_reason": finish,
                 "output_token_logprobs": [[lp, t, None] for lp, t in zip(logprobs, ids)],

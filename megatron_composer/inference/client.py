@@ -215,8 +215,11 @@ class HTTPRolloutClient:
 
     def sglang_body(self, prompt, p: SamplingParams) -> dict:
         """SGLang's /generate request of `prompt` (token ids, or a list of prompts: a batch)."""
+        # SGLang's ignore_eos also ignores stop_token_ids (`Req._check_token_based_finish`): set only where
+        # there are none, so a sample stops on ours and nowhere else (our exported config names no eos)
         sampling = {"max_new_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p,
-                    "top_k": p.top_k or -1, "stop_token_ids": list(p.stop_token_ids), "ignore_eos": True}
+                    "top_k": p.top_k or -1, "stop_token_ids": list(p.stop_token_ids),
+                    "ignore_eos": not p.stop_token_ids}
         if p.stop:
             sampling["stop"] = list(p.stop)
         if p.seed is not None:
