@@ -17,7 +17,8 @@ What the command sees:
   `SITE_PACKAGES_MOUNT` and on PYTHONPATH, so the system `python3` (not this
   process's interpreter: a virtualenv's lives under /root or /work) can run
   `python3 -m pytest`. Nothing else of the host: no /work, /root, /home or host
-  /tmp.
+  /tmp. `site_packages=` mounts another directory there instead (a task's own
+  environment, `rl/task_envs.py`), and the host's is then not mounted at all.
 - Environment: PATH, HOME=/tmp, TMPDIR=/tmp, LANG=C.UTF-8,
   PYTHONDONTWRITEBYTECODE=1, PYTHONPATH, and PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
   (the bound site-packages is there for pytest alone; scanning its plugins
@@ -149,7 +150,7 @@ _probe_cache: dict[tuple[str, int], str | None] = {}  # (bwrap, euid) -> None if
 
 class Sandbox:
     def __init__(self, workspace, *, timeout_s: float = 10.0, memory_mb: int = 512, max_processes: int = 64,
-                 max_output_bytes: int = 65536, network: bool = False):
+                 max_output_bytes: int = 65536, network: bool = False, site_packages: str | None = None):
         path = os.path.realpath(os.fspath(workspace))
         if not os.path.isdir(path):
             raise ValueError(f"workspace {os.fspath(workspace)!r} is not an existing directory; create it first "
@@ -160,6 +161,12 @@ class Sandbox:
         _check_positive_int(max_output_bytes, "max_output_bytes", "e.g. 65536", allow_zero=True)
         if not isinstance(network, bool):
             raise ValueError(f"network={network!r} must be True or False")
+        if site_packages is not None:
+            site_packages = os.path.realpath(os.fspath(site_packages))
+            if not os.path.isdir(site_packages):
+                raise ValueError(f"site_packages={site_packages!r} is not an existing directory; pass a "
+                                 "site-packages from rl/task_envs.task_env_site_packages or None for the host's")
+        self.site_packages = site_packages
         self.workspace = path
         self.timeout_s = float(timeout_s)
         self.memory_mb = memory_mb
@@ -185,16 +192,17 @@ class Sandbox:
                 _chown_tree(self.workspace, HOST_UID, HOST_UID)
             try:
                 return _execute(_sandbox_argv(self.workspace, self.network, self.memory_mb, self.max_processes,
-                                              timeout, argv), stdin, timeout, self.max_output_bytes)
+                                              timeout, argv, self.site_packages), stdin, timeout,
+                                self.max_output_bytes)
             finally:
                 if self._as_root:
                     _chown_tree(self.workspace, *self._owner, strip_setid=True)
 
 
 def _sandbox_argv(workspace: str, network: bool, memory_mb: int, max_processes: int, timeout: float,
-                  command: list[str]) -> list[str]:
+                  command: list[str], site_packages: str | None = None) -> list[str]:
     """The whole argv: bwrap, or for a root caller the staging, setpriv and then bwrap; then prlimit."""
-    site = _site_packages()
+    site = site_packages or _site_packages()
     limits = _limits_argv(memory_mb, max_processes, timeout)
     if os.geteuid() != 0:
         return _bwrap_argv(workspace, site, network) + limits + command

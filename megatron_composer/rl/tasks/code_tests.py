@@ -55,6 +55,7 @@ def program_of(task: CodeTask, code: str) -> str:
 def run_code_tests(task: CodeTask, program: str, timeout_s: float) -> tuple[int, int]:
     """(units passed, units in the tests) of `program` under `task`'s tests, run in a fresh sandbox."""
     from ..sandbox import Sandbox
+    from ..task_envs import task_env_site_packages
     from .code_harness import unit_count
     from .python_ast import PARSE_LOCK
 
@@ -64,8 +65,9 @@ def run_code_tests(task: CodeTask, program: str, timeout_s: float) -> tuple[int,
     spec = json.dumps({"nonce": nonce, "program": program, "tests": task.tests, "entry_point": task.entry_point})
     workspace = tempfile.mkdtemp(prefix="code_tests_")
     try:
-        result = Sandbox(workspace, timeout_s=task.timeout_s or timeout_s).run(["python3", "-c", HARNESS],
-                                                                               stdin=spec)
+        site = task_env_site_packages(task.requirements) if task.requirements else None
+        result = Sandbox(workspace, timeout_s=task.timeout_s or timeout_s, site_packages=site).run(
+            ["python3", "-c", HARNESS], stdin=spec)
     finally:
         shutil.rmtree(workspace, ignore_errors=True)
     verdicts: dict[int, bool] = {}

@@ -7,8 +7,13 @@ directory whose files of those kinds are its shards, read in name order.
 Every record becomes one `CodeTask`; the formats map their fields so:
 
     jsonl      {"id": str, "prompt": str, "tests": str, "entry_point": str,
-                "setup": str (optional), "timeout_s": float (optional)}
-               the prompt is the user turn as written
+                "setup": str (optional), "timeout_s": float (optional),
+                "requirements": [str] (optional)}
+               the prompt is the user turn as written; requirements are
+               PEP 508 strings ("sympy==1.12") installed into a cached
+               per-task environment that the sandbox mounts instead of the
+               host's site-packages (rl/task_envs.py); "rootfs" (a per-task
+               root filesystem) is not supported yet and refused
     humaneval  task_id -> id; prompt (a signature and docstring) -> shown in a
                ```python fence and run before the completion (`code_prefix`),
                which may be the body alone; test (`def check(candidate)`) ->
@@ -38,6 +43,7 @@ import math
 from pathlib import Path
 from typing import Iterator, Optional
 
+from ..task_envs import parse_requirements
 from .code_harness import unit_count
 from .python_ast import PARSE_LOCK
 
@@ -57,6 +63,7 @@ class CodeTask:
     timeout_s: Optional[float] = None  # the sandbox's wall clock for this task (default: --sandbox-timeout-s)
     code_prefix: str = ""  # code the completion continues (HumanEval's prompt)
     reference: Optional[str] = None  # a known solution, where the format has one
+    requirements: tuple[str, ...] = ()  # its own environment's packages (rl/task_envs.py); () = the host's
 
 
 class BadRecord(ValueError):
@@ -117,11 +124,23 @@ def _timeout(record: dict) -> Optional[float]:
     return float(value)
 
 
+def task_requirements(record: dict) -> tuple[str, ...]:
+    """The record's validated "requirements" (() without them); a "rootfs" is refused (not supported yet)."""
+    if record.get("rootfs") is not None:
+        raise BadRecord(f"'rootfs' {_short(record['rootfs'])}: per-task root filesystems are not supported yet; "
+                        "drop it and name the Python packages the task needs in \"requirements\"")
+    try:
+        return parse_requirements(record.get("requirements"))
+    except ValueError as exc:
+        raise BadRecord(str(exc)) from None
+
+
 def _from_jsonl(record: dict) -> CodeTask:
     return CodeTask(id=_task_id(record, "id", "jsonl"), prompt=_text(record, "prompt", "jsonl"),
                     tests=_tests(_text(record, "tests", "jsonl"), "tests"),
                     entry_point=_identifier(_text(record, "entry_point", "jsonl"), "entry_point"),
-                    setup=_text(record, "setup", "jsonl", optional=True), timeout_s=_timeout(record))
+                    setup=_text(record, "setup", "jsonl", optional=True), timeout_s=_timeout(record),
+                    requirements=task_requirements(record))
 
 
 def _from_humaneval(record: dict) -> CodeTask:
