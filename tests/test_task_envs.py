@@ -157,3 +157,86 @@ sandbox.Sandbox.__init__ = __init__
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and "skipped" not in proc.stdout
+
+
+@pytest.fixture
+def offline_env_vars(task_site, wheelhouse, env_cache, monkeypatch):
+    """The loaders' tasks build through the environment variables; the fixture's environment is the one built."""
+    monkeypatch.setenv("MC_TASK_ENV_CACHE", str(env_cache))
+    monkeypatch.setenv("MC_TASK_ENV_PIP_ARGS", f"--no-index --find-links {wheelhouse}")
+
+
+def test_code_task_with_requirements_is_scored_in_its_env(offline_env_vars, sandbox_ok):
+    from megatron_composer.rl.tasks.code_tests import run_code_tests
+    from megatron_composer.rl.tasks.task_files import CodeTask
+
+    tests = ("import importlib.util\n\ndef check(candidate):\n    assert candidate() == 'from the task env'\n"
+             "    assert importlib.util.find_spec('numpy') is None  # a host-only package\n")
+    program = "import mc_taskdep\ndef f():\n    return mc_taskdep.VALUE\n"
+    with_env = CodeTask(id="t", prompt="p", tests=tests, entry_point="f", requirements=("mc_taskdep==1.2.0",))
+    assert run_code_tests(with_env, program, 30.0) == (2, 2)  # two asserts, two units
+    assert run_code_tests(CodeTask(id="t", prompt="p", tests=tests, entry_point="f"), program, 30.0) == (0, 2)
+
+
+def test_swe_instance_with_requirements_verifies_in_its_env(offline_env_vars, sandbox_ok, tmp_path):
+    from megatron_composer.rl.tasks.coding import prepare_workspace, run_tests
+    from megatron_composer.rl.tasks.coding.swe import load_swe_tasks
+
+    repo = tmp_path / "repo"
+    (repo / "tests").mkdir(parents=True)
+    (repo / "tests" / "test_dep.py").write_text(
+        "import importlib.util\nimport mc_taskdep\n\n"
+        "def test_dep():\n    assert mc_taskdep.VALUE == 'from the task env'\n\n"
+        "def test_no_host_numpy():\n    assert importlib.util.find_spec('numpy') is None\n")
+    record = {"instance_id": "dep-1", "repo_dir": "repo", "problem_statement": "Use the dependency.",
+              "FAIL_TO_PASS": ["tests/test_dep.py::test_dep"],
+              "PASS_TO_PASS": ["tests/test_dep.py::test_no_host_numpy"]}
+    lines = [dict(record, requirements=["mc_taskdep==1.2.0"]), dict(record, instance_id="dep-2"),
+             dict(record, instance_id="dep-3", requirements=["--index-url=http://evil.example"]),
+             dict(record, instance_id="dep-4", rootfs="/srv/root")]
+    (tmp_path / "swe.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    tasks, problems = load_swe_tasks(tmp_path / "swe.jsonl")
+    assert [(t.key, t.requirements) for t in tasks] == [("swe/dep-1", ("mc_taskdep==1.2.0",)), ("swe/dep-2", ())]
+    assert len(problems) == 2 and "'requirements'" in problems[0] and "not supported yet" in problems[1]
+    verdicts = []
+    for task in tasks:
+        workspace = tmp_path / task.key.replace("/", "-")
+        prepare_workspace(task, workspace)
+        verdict = run_tests(task, workspace)
+        verdicts.append((verdict.fail_to_pass_passed, verdict.pass_to_pass_passed))
+    assert verdicts == [(1, 1), (0, 0)]  # host mount: no mc_taskdep, so the module fails to import
+
+    from megatron_composer.data.tool_calls import format_tool_call
+    from megatron_composer.rl.agent import Agent, AgentConfig
+    from megatron_composer.rl.agentic import AgenticCodingEnv
+    from tests.agent_fakes import CharTokenizer, ScriptedClient
+
+    tok = CharTokenizer()
+    config = AgentConfig(max_context_tokens=16384, max_turn_tokens=4096, max_observation_tokens=4096, max_turns=4)
+    env = AgenticCodingEnv(("swe",), split="eval", workdir=str(tmp_path))
+    script = [format_tool_call("run", {"command": "python3 -c 'import mc_taskdep; print(mc_taskdep.VALUE)'"}),
+              format_tool_call("finish", {"message": "Done."})]
+    result = env.episode(Agent(ScriptedClient(tok, script), tok, config), tasks[0])
+    assert "from the task env" in result.trajectory.events[0].output  # the agent's own sandbox mounts it too
+    assert result.verdict["resolved"] == 1.0
+
+
+def test_concurrent_builders_build_once(wheelhouse, tmp_path, monkeypatch):
+    import threading
+
+    builds = []
+    real_build = task_envs._build
+    monkeypatch.setattr(task_envs, "_build", lambda *a: (builds.append(a[0]), real_build(*a)))
+    args = ["--no-index", "--find-links", str(wheelhouse)]
+    results = [None] * 3
+
+    def build(i):
+        results[i] = task_env_site_packages(["mc_taskdep==1.2.0"], pip_args=args, base=(), cache=tmp_path)
+
+    threads = [threading.Thread(target=build, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert len(builds) == 1 and len(set(results)) == 1 and results[0] is not None
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == [Path(builds[0]).name]

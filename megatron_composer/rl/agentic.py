@@ -49,6 +49,7 @@ from .agent import Agent, Trajectory
 from .agentic_rewards import (changed_files, communication_score, parallel_tool_calls_score, style_score,
                               tool_efficiency_score, tool_misuse_score)
 from .sandbox import Sandbox
+from .task_envs import sandbox_kwargs_for
 from .tasks.coding import CodingTask, SweVerdict, TestVerdict, load_tasks, prepare_workspace, run_tests
 from .tools import TOOLS, ToolSet
 
@@ -111,15 +112,15 @@ class AgenticCodingEnv:
         with tempfile.TemporaryDirectory(prefix="episode-", dir=self.workdir) as tmp:
             workspace = Path(tmp) / "workspace"
             prepare_workspace(task, workspace)
-            sandbox = Sandbox(workspace, **self.sandbox_kwargs)
+            sandbox_kwargs = sandbox_kwargs_for(task, self.sandbox_kwargs)  # a task's own environment, if any
+            sandbox = Sandbox(workspace, **sandbox_kwargs)
             tools = ToolSet(workspace, sandbox, names=self.tool_names,
-                            run_tests=lambda: test_report(run_tests(task, workspace,
-                                                                    sandbox_kwargs=self.sandbox_kwargs)))
+                            run_tests=lambda: test_report(run_tests(task, workspace, sandbox_kwargs=sandbox_kwargs)))
             try:
                 trajectory = agent.run(tools, task.instruction, seed=seed)
             except Exception as exc:
                 raise RuntimeError(f"episode of task {task.key} (seed {seed}) failed: {exc}") from exc
-            tests = run_tests(task, workspace, sandbox_kwargs=self.sandbox_kwargs)
+            tests = run_tests(task, workspace, sandbox_kwargs=sandbox_kwargs)
             changes = changed_files(task.files, workspace)
         verdict = {"correctness": tests.fraction, "all_pass": float(tests.all_pass),
                    "style": style_score(changes), "communication": communication_score(trajectory.final_message),

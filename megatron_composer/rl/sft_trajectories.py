@@ -34,6 +34,7 @@ from ..data.tool_calls import MAX_CALLS_PER_MESSAGE, format_tool_call, format_to
 from .agent import system_prompt
 from .agentic import test_report
 from .sandbox import Sandbox
+from .task_envs import sandbox_kwargs_for
 from .tasks.coding import CodingTask, load_tasks, prepare_workspace, run_tests
 from .tools import READ_ONLY_TOOLS, TOOLS, ToolSet
 
@@ -90,7 +91,7 @@ def step_text(step: Step) -> str:
 def expert_conversation(task: CodingTask, *, tool_names: Sequence[str] = tuple(TOOLS),
                         sandbox_kwargs: Optional[dict] = None, workdir: Optional[str] = None) -> list[dict]:
     """The chat messages of one scripted trajectory (system, user, then assistant / tool turns)."""
-    sandbox_kwargs = dict(sandbox_kwargs or {})
+    sandbox_kwargs = sandbox_kwargs_for(task, sandbox_kwargs)  # a task's own environment, if any
     messages = [{"role": "system", "content": system_prompt(tool_names)},
                 {"role": "user", "content": task.instruction}]
     with tempfile.TemporaryDirectory(prefix="expert-", dir=workdir) as tmp:

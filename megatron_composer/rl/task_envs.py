@@ -122,6 +122,15 @@ def task_env_site_packages(requirements: Sequence[str], *, pip_args: Optional[Se
     return str(_site_packages_of(final))
 
 
+def sandbox_kwargs_for(task, sandbox_kwargs: Optional[dict] = None) -> dict:
+    """`sandbox_kwargs` plus `site_packages` of `task`'s environment when it names requirements (built now)."""
+    kwargs = dict(sandbox_kwargs or {})
+    requirements = getattr(task, "requirements", ())
+    if requirements and kwargs.get("site_packages") is None:
+        kwargs["site_packages"] = task_env_site_packages(requirements)
+    return kwargs
+
+
 def _build(final: Path, requirements: list[str], pip_args: list[str]) -> None:
     if final.exists():  # unstamped: not built by this module (the stamp is written before the rename)
         shutil.rmtree(final)

@@ -13,7 +13,10 @@ One instance a line, in the SWE-bench / SWE-Gym fields:
      "FAIL_TO_PASS": [str],    pytest node ids ("tests/test_x.py::test_y") the fix must make pass
      "PASS_TO_PASS": [str],    node ids that pass before and must still pass
      "test_cmd": str,          optional, default "pytest": pytest with extra options
-     "patch": str}             optional: the reference fix as a unified diff (scripted trajectories, tests)
+     "patch": str,             optional: the reference fix as a unified diff (scripted trajectories, tests)
+     "requirements": [str]}    optional: PEP 508 strings ("attrs==23.2.0"); the episode's and the verifier's
+                               sandboxes mount a cached per-task environment of them instead of the host's
+                               site-packages (rl/task_envs.py); "rootfs" is not supported yet and refused
 
 (The two lists may also be JSON-encoded strings, as some SWE-bench exports
 store them.) The workspace is the repository's files (without `.git`); the
@@ -56,7 +59,8 @@ from pathlib import Path, PurePosixPath
 from typing import Optional
 
 from ...sandbox import Sandbox
-from ..task_files import BadRecord, _jsonl_records, _short
+from ...task_envs import sandbox_kwargs_for
+from ..task_files import BadRecord, _jsonl_records, _short, task_requirements
 from .task import CACHE_DIRS, CACHE_SUFFIXES, CodingTask, Edit, solved_files
 from .verify import TestVerdict, _is_test_file, _read_regular, _tail, copy_workspace, write_over
 
@@ -112,6 +116,7 @@ class SweTask(CodingTask):
     pass_to_pass: tuple[str, ...] = ()
     test_args: tuple[str, ...] = ()  # test_cmd's options after "pytest"
     origin: str = ""  # path:line of its instance
+    requirements: tuple[str, ...] = ()  # its own environment's packages (rl/task_envs.py); () = the host's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -435,12 +440,14 @@ def _instance(record: dict, folder: Path, where: str) -> SweTask:
              if rel in test_files or PurePosixPath(rel).name == "conftest.py"
              or any(d and rel.startswith(d + "/") for d in test_dirs)
              or ("" in test_dirs and "/" not in rel and _is_test_file(rel))}  # verification drops those too
+    requirements = task_requirements(record)
     patch = record.get("patch")
     if patch is not None and not isinstance(patch, str):
         raise BadRecord(f"'patch' is {_short(patch)}; give the reference fix as a unified diff string or drop it")
     task = SweTask(key=f"{FAMILY}/{iid}", family=FAMILY, instruction=statement, files=files, tests=tests,
                    solution=_patch_edits(patch, files) if patch else (), reads=(), test_timeout_s=60.0,
-                   fail_to_pass=fail_to_pass, pass_to_pass=pass_to_pass, test_args=_test_args(record), origin=where)
+                   fail_to_pass=fail_to_pass, pass_to_pass=pass_to_pass, test_args=_test_args(record), origin=where,
+                   requirements=requirements)
     if task.solution:
         try:
             solved_files(task)
@@ -495,7 +502,7 @@ def problems_of(task_file: Optional[str] = None) -> tuple[str, ...]:
 def run_swe_tests(task: SweTask, workspace: Path, *, sandbox_kwargs: Optional[dict] = None) -> SweVerdict:
     """Run the test files of `task`'s ids on a sandboxed copy of `workspace` (pristine tests restored, as
     `verify.run_tests` does) and count FAIL_TO_PASS and PASS_TO_PASS (module docstring)."""
-    kwargs = {"timeout_s": task.test_timeout_s, **(sandbox_kwargs or {})}
+    kwargs = sandbox_kwargs_for(task, {"timeout_s": task.test_timeout_s, **(sandbox_kwargs or {})})
     root = Path(tempfile.mkdtemp(prefix="swe-verify-"))
     try:
         notes = copy_workspace(task, Path(workspace), root)
