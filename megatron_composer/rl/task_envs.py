@@ -136,6 +136,7 @@ def _build(final: Path, requirements: list[str], pip_args: list[str]) -> None:
         shutil.rmtree(final)
     tmp = Path(tempfile.mkdtemp(prefix=f".build-{final.name}-", dir=final.parent))
     try:
+        os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide it from a sandbox that runs as another uid
         subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp)], check=True,
                        capture_output=True, timeout=120)
         cmd = [sys.executable, "-m", "pip", "--python", str(tmp / "bin" / "python"), "install", "--no-input",
