@@ -206,8 +206,10 @@ def _sandbox_argv(workspace: str, network: bool, memory_mb: int, max_processes: 
     limits = _limits_argv(memory_mb, max_processes, timeout)
     if os.geteuid() != 0:
         return _bwrap_argv(workspace, site, network) + limits + command
+    # --pdeathsig: bwrap (which setpriv becomes) is killed with the process that started it, so a worker
+    # killed mid-command leaves no sandbox behind (bwrap's --die-with-parent guards only its own child)
     setpriv = ["setpriv", f"--reuid={HOST_UID}", f"--regid={HOST_UID}", "--clear-groups", "--inh-caps=-all",
-               "--no-new-privs", "--"]
+               "--no-new-privs", "--pdeathsig", "KILL", "--"]
     staged_site = _STAGED_SITE_PACKAGES if site else None
     return (["unshare", "--mount", "--propagation", "private", "--", SHELL, "-c", _STAGE_SCRIPT, "stage",
              workspace, site or ""] + setpriv
