@@ -188,12 +188,12 @@ def test_placement_on_a_loopback_cluster_with_gpus(tmp_path, monkeypatch):
     ray = pytest.importorskip("ray")
     from megatron_composer.rl.async_rl.placement import (PlacementError, ServiceLayout, actor_options,
                                                          plan_placement, release, reserve)
-    from megatron_composer.rl.async_rl.runner import PUBLISH, AsyncRLRunner
+    from megatron_composer.rl.async_rl.runner import PUBLISH, AsyncRLRunner, start_local_ray
 
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # a private loopback instance
     # `make test` hides the GPUs (CUDA_VISIBLE_DEVICES=); Ray refuses to declare GPUs that list hides
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    ray.init(address="local", num_cpus=2, num_gpus=3, include_dashboard=False, log_to_driver=False)
+    start_local_ray(ray, num_cpus=2, num_gpus=3, log_to_driver=False)
     try:
         argv = ["--async-rl", "--env", "agentic-coding", "--eval-tasks", "2", "--trainer-ranks", "2",
                 "--inference-workers", "1", "--save", str(tmp_path / "rl")]

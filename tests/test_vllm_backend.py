@@ -287,7 +287,7 @@ def test_async_rl_through_vllm_then_its_server_killed(served, data_dir, tmp_path
     completed groups not yet trained are saved with step 2's weights, in the checkpoint the error names."""
     ray = pytest.importorskip("ray")
     from megatron_composer.inference.weight_sync import WeightSubscriber
-    from megatron_composer.rl.async_rl.runner import PUBLISH, AsyncRLRunner
+    from megatron_composer.rl.async_rl.runner import PUBLISH, AsyncRLRunner, start_local_ray
 
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # a private loopback instance
     argv = ["--async-rl", "--model-preset", "tiny-vllm", "--seq-length", "256", "--tokenizer-model",
@@ -296,7 +296,7 @@ def test_async_rl_through_vllm_then_its_server_killed(served, data_dir, tmp_path
             "--train-iters", "4", "--rl-micro-batch-tokens", "256", "--no-router-replay", "--synchronous-rollouts",
             "--rollout-backend", "vllm", "--vllm-url", served.backend.url, "--vllm-chunk-tokens", "4",
             "--save", str(tmp_path / "rl")]
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    start_local_ray(ray, num_cpus=4, log_to_driver=False)
     seen = []
 
     def on_step(runner, row):

@@ -80,6 +80,21 @@ def _ray():
     return ray
 
 
+# A local instance's raylet shares the machine with the job: on a few busy cores (a CPU vLLM server, the
+# trainer's intra-op threads) it can miss Ray's default health checks (5 failures of 10 s) and be declared
+# dead, which kills every actor of a healthy job. Its death is seen by the driver anyway (the actors
+# die with it), so the local instance waits minutes instead of seconds.
+LOCAL_RAY_SYSTEM_CONFIG = {"health_check_timeout_ms": 30_000, "health_check_period_ms": 5_000,
+                           "health_check_failure_threshold": 20}
+
+
+def start_local_ray(ray, num_cpus: int, log_to_driver: bool = True, **options):
+    """A new Ray instance of this job on this machine ("local": even where `ray start` left a cluster
+    running, which ray.init() without an address would join), with patient health checks."""
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=log_to_driver,
+             _system_config=dict(LOCAL_RAY_SYSTEM_CONFIG), **options)
+
+
 class AsyncRLRunner:
     """The driver (module docstring). `on_step(runner, metrics)`: called after each step (tests inject faults)."""
 
@@ -100,10 +115,7 @@ class AsyncRLRunner:
             if args.ray_address:
                 ray.init(address=args.ray_address, log_to_driver=True)
             else:
-                # "local": a new instance of this job, even where `ray start` left a cluster running
-                # (ray.init() without an address would join that one)
-                ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False,
-                         log_to_driver=True)
+                start_local_ray(ray, num_cpus=max(4, os.cpu_count() or 1), log_to_driver=True)
         cores = os.cpu_count() or 1
         world = args.trainer_ranks
         evaluated = bool(rl.rollout.eval_tasks and environment_class(rl.environment.name).held_out)
