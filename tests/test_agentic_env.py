@@ -187,3 +187,28 @@ def test_expert_messages_batch_consecutive_reads_up_to_the_cap():
     sizes = [[name for name, _ in m] for m in expert_messages(task)]
     assert sizes == [["read_file"] * 8, ["read_file"] * 2, ["edit_file"], ["run_tests"], ["finish"]]
     assert [c for m in expert_messages(task) for c in m] == expert_steps(task)
+
+
+def test_gather_tasks_need_every_read_and_score_by_turns(tmp_path):
+    """A gather task: k = 3-6 one-word files whose names do not give the word away; the batched expert
+    solves it in 3 turns (one list of k reads, the write, finish), the sequential one in k + 2, both solved;
+    parallel_tool_calls is (k - 1) / k for the first and 0 for the second."""
+    from megatron_composer.rl.sft_trajectories import sequential_reader
+
+    tasks = load_tasks(["gather"], "train", count=200)
+    assert {len(t.reads) for t in tasks} == {3, 4, 5, 6}
+    for t in tasks:
+        words = [t.files[p].strip() for p in t.reads]
+        assert t.solution[0].replace == " ".join(words) and all(w + ".txt" != p for w, p in zip(words, t.reads))
+        assert all(f"`{p}`" in t.instruction for p in t.reads)
+    task = next(t for t in tasks if len(t.reads) == 5)
+    env = AgenticCodingEnv(("gather",), workdir=str(tmp_path))
+    for batch, turns, parallel in ((True, 3, 4 / 5), (False, 7, 0.0)):
+        steps = expert_messages(task, batch_reads=batch)
+        result = env.episode(Agent(ScriptedClient(TOK, [step_text(s) for s in steps]), TOK, CONFIG), task)
+        assert result.verdict["all_pass"] == 1.0 and result.trajectory.counts.turns == turns
+        assert result.verdict["parallel_tool_calls"] == pytest.approx(parallel)
+        assert result.trajectory.counts.tool_calls == 5 + 2
+    chosen = [sequential_reader(t, 0.7) for t in tasks]
+    assert 0.6 < sum(chosen) / len(chosen) < 0.8 and chosen == [sequential_reader(t, 0.7) for t in tasks]
+    assert not any(sequential_reader(t, 0.0) for t in tasks) and all(sequential_reader(t, 1.0) for t in tasks)

@@ -65,7 +65,7 @@ def failing_tests(workspaces: dict[str, dict[str, str]], tmp_path: Path) -> dict
 
 
 def test_families_are_known_and_unknown_names_are_refused():
-    assert list(FAMILIES) == ["write-file", "set-constant", "fix-bug", "feature-deletion", "swe"]
+    assert list(FAMILIES) == ["write-file", "set-constant", "fix-bug", "feature-deletion", "gather", "swe"]
     with pytest.raises(ValueError, match="unknown coding task family 'nope'; known: write-file, set-constant"):
         load_tasks(["nope"])
     with pytest.raises(ValueError, match="unknown split 'test'"):
@@ -121,7 +121,7 @@ def test_feature_deletion_solutions_restore_the_code_base_exactly():
 
 def test_reference_passes_and_unsolved_fails_for_every_bug_and_deleted_feature(tmp_path):
     tasks = [t for f in ("fix-bug", "feature-deletion") for t in family_tasks(f, "train") + family_tasks(f, "eval")]
-    tasks += [t for f in ("write-file", "set-constant") for t in family_tasks(f, "eval")[:10]]
+    tasks += [t for f in ("write-file", "set-constant", "gather") for t in family_tasks(f, "eval")[:10]]
     workspaces = {}
     for i, task in enumerate(tasks):
         workspaces[f"{i}-solved"] = {**solved_files(task), **task.tests}

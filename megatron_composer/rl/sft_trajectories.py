@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import hashlib
 import json
 import os
 import sys
@@ -69,13 +70,15 @@ def expert_steps(task: CodingTask) -> list[tuple[str, dict]]:
     return steps
 
 
-def expert_messages(task: CodingTask) -> list[Step]:
+def expert_messages(task: CodingTask, *, batch_reads: bool = True) -> list[Step]:
     """`expert_steps` as the expert's messages: consecutive reads share one message (in lists of
     at most MAX_CALLS_PER_MESSAGE), since no read depends on another; every other call is a
-    message of its own, since what comes next depends on its result."""
+    message of its own, since what comes next depends on its result. `batch_reads=False`: one
+    read per message too (the sequential habit `benchmarks/parallel_tools.py` starts from)."""
     messages: list[Step] = []
     for name, arguments in expert_steps(task):
-        batch = messages and name in READ_ONLY_TOOLS and all(n in READ_ONLY_TOOLS for n, _ in messages[-1])
+        batch = (batch_reads and messages and name in READ_ONLY_TOOLS
+                 and all(n in READ_ONLY_TOOLS for n, _ in messages[-1]))
         if batch and len(messages[-1]) < MAX_CALLS_PER_MESSAGE:
             messages[-1].append((name, arguments))
         else:
@@ -89,8 +92,10 @@ def step_text(step: Step) -> str:
 
 
 def expert_conversation(task: CodingTask, *, tool_names: Sequence[str] = tuple(TOOLS),
-                        sandbox_kwargs: Optional[dict] = None, workdir: Optional[str] = None) -> list[dict]:
-    """The chat messages of one scripted trajectory (system, user, then assistant / tool turns)."""
+                        sandbox_kwargs: Optional[dict] = None, workdir: Optional[str] = None,
+                        batch_reads: bool = True) -> list[dict]:
+    """The chat messages of one scripted trajectory (system, user, then assistant / tool turns);
+    `batch_reads`: as in `expert_messages`."""
     sandbox_kwargs = sandbox_kwargs_for(task, sandbox_kwargs)  # a task's own environment, if any
     messages = [{"role": "system", "content": system_prompt(tool_names)},
                 {"role": "user", "content": task.instruction}]
@@ -99,7 +104,7 @@ def expert_conversation(task: CodingTask, *, tool_names: Sequence[str] = tuple(T
         prepare_workspace(task, workspace)
         tools = ToolSet(workspace, Sandbox(workspace, **sandbox_kwargs), names=tool_names,
                         run_tests=lambda: test_report(run_tests(task, workspace, sandbox_kwargs=sandbox_kwargs)))
-        for step in expert_messages(task):
+        for step in expert_messages(task, batch_reads=batch_reads):
             text = step_text(step)
             messages.append({"role": "assistant", "content": text})
             turn = tools.respond(text)
@@ -117,14 +122,25 @@ def expert_conversation(task: CodingTask, *, tool_names: Sequence[str] = tuple(T
     return messages
 
 
-def write_sft_jsonl(path, tasks: Sequence[CodingTask], *, workers: int = 4, log=print, **kwargs) -> int:
-    """Write one conversation per task to `path` (atomically: a temp file renamed at the end)."""
+def sequential_reader(task: CodingTask, fraction: float) -> bool:
+    """Whether `task`'s trajectory reads one file per message, for about `fraction` of the tasks
+    (by the hash of its key: the same tasks on every machine and at every count)."""
+    return int(hashlib.sha1(f"sequential/{task.key}".encode()).hexdigest()[:8], 16) < fraction * 16 ** 8
+
+
+def write_sft_jsonl(path, tasks: Sequence[CodingTask], *, workers: int = 4, log=print,
+                    sequential_reads: float = 0.0, **kwargs) -> int:
+    """Write one conversation per task to `path` (atomically: a temp file renamed at the end);
+    about `sequential_reads` of them read one file per message (`sequential_reader`)."""
+    if not 0.0 <= sequential_reads <= 1.0:
+        raise ValueError(f"sequential_reads={sequential_reads} is a fraction of the tasks; give one in [0, 1]")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     started, done = time.perf_counter(), 0
     with open(tmp, "w", encoding="utf-8") as out, concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        for task, messages in zip(tasks, pool.map(lambda t: expert_conversation(t, **kwargs), tasks)):
+        for task, messages in zip(tasks, pool.map(lambda t: expert_conversation(
+                t, batch_reads=not sequential_reader(t, sequential_reads), **kwargs), tasks)):
             out.write(json.dumps({"messages": messages, "task": task.key}, ensure_ascii=False) + "\n")
             done += 1
             if log and (done % 100 == 0 or done == len(tasks)):
@@ -141,12 +157,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--split", choices=("train", "eval"), default="train")
     p.add_argument("--output", required=True, help="the JSONL file to write")
     p.add_argument("--workers", type=int, default=4, help="trajectories built at once")
+    p.add_argument("--sequential-reads", type=float, default=0.0, metavar="FRACTION",
+                   help="this fraction of the trajectories reads one file per message instead of all "
+                        "independent reads in one list of calls (default 0: always batched)")
     args = p.parse_args(argv)
     families = [f.strip() for f in args.families.split(",") if f.strip()]
     try:
         tasks = [t for family in families for t in load_tasks([family], args.split, count=args.count)]
         print(f"> {len(tasks)} {args.split} tasks of {', '.join(families)} -> {args.output}")
-        write_sft_jsonl(args.output, tasks, workers=args.workers)
+        write_sft_jsonl(args.output, tasks, workers=args.workers, sequential_reads=args.sequential_reads)
     except (ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

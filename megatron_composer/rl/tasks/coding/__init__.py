@@ -9,6 +9,8 @@ family generates a fixed pool of tasks; `load_tasks` picks a split from it.
     set-constant      change a named constant so that its visible test passes
     fix-bug           fix a one-token bug; the instruction names the failing visible test
     feature-deletion  reimplement a function or method of the bundled `minikit` code base
+    gather            read k = 3-6 files of one word each, then write their words to answer.txt
+                      (k independent reads: the parallel tool-call family)
     swe               resolve an issue in a repository (SWE-bench style instances of
                       --swe-task-file, default the embedded set; `swe.py`)
 
@@ -32,12 +34,12 @@ from typing import Optional, Sequence
 
 from pathlib import Path
 
-from . import feature_deletion, fix_bug, set_constant, swe, verify, write_file
+from . import feature_deletion, fix_bug, gather, set_constant, swe, verify, write_file
 from .swe import SweTask, SweVerdict, run_swe_tests
 from .task import CodingTask, Edit, apply_solution, prepare_workspace, solved_files
 from .verify import TestVerdict
 
-_GENERATORS = {m.FAMILY: m for m in (write_file, set_constant, fix_bug, feature_deletion, swe)}
+_GENERATORS = {m.FAMILY: m for m in (write_file, set_constant, fix_bug, feature_deletion, gather, swe)}
 FAMILIES: dict[str, str] = {name: m.DESCRIPTION for name, m in _GENERATORS.items()}
 SPLITS = ("train", "eval")
 EVAL_MODULUS = 5
