@@ -36,7 +36,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-ARMS = (("RL", "baseline"), ("RL + tool terms", "terms"))
+ARMS = (("RL", "rl"), ("RL + tool terms", "terms"))
 
 
 def sh(argv: list[str], log: str) -> str:
@@ -57,15 +57,84 @@ def done(path: str) -> bool:
     return is_checkpoint_dir(path)
 
 
-def held_out(checkpoint: str, args, log: str) -> dict:
-    """rl.evaluate's row for `checkpoint` on the held-out gather tasks (sampled), cached in `log`."""
+def held_out(checkpoint: str, args, log: str, temperature: float = 1.0) -> dict:
+    """rl.evaluate's row for `checkpoint` on the held-out gather tasks (sampled at `temperature`, greedy
+    at 0), cached in `log`."""
     if not (os.path.exists(log) and "solved:" in open(log).read()):
         sh([sys.executable, "-m", "megatron_composer.rl.evaluate", "--load", checkpoint, "--families", "gather",
             "--count", str(args.eval_count), "--seq-length", str(args.seq_length), "--max-turns", str(args.max_turns),
-            "--max-new-tokens", str(args.max_new_tokens), "--temperature", "1.0",
+            "--max-new-tokens", str(args.max_new_tokens), "--temperature", str(temperature),
             "--tokenizer-model", args.tokenizer_model, "--data-cache-dir", args.data_cache_dir], log)
     row = [line for line in open(log) if "solved:" in line][-1]
     return {k: float(v) for k, v in re.findall(r"(solved|turns per solved|calls per turn|turns): ([0-9.]+)", row)}
+
+
+def common_flags(args) -> list[str]:
+    return ["--model-preset", "tiny", "--tokenizer-model", args.tokenizer_model,
+            "--data-cache-dir", args.data_cache_dir, "--seq-length", str(args.seq_length)]
+
+
+def gather_sft(args) -> str:
+    """The SFT checkpoint (steps 1-2 of the module docstring), built once per `--out`."""
+    out = os.path.abspath(args.out)
+    os.makedirs(out, exist_ok=True)
+    data = os.path.join(out, "gather_sft.jsonl")
+    if not os.path.exists(data):
+        from megatron_composer.rl.sft_trajectories import write_sft_jsonl
+        from megatron_composer.rl.tasks.coding import load_tasks
+
+        # RL's tasks are the first prompts-per-step x steps of the split; the SFT data starts after them
+        first = args.prompts_per_step * args.steps
+        tasks = load_tasks(["gather"], "train", count=first + args.tasks)[first:]
+        write_sft_jsonl(data, tasks, workers=8, sequential_reads=args.sequential_reads)
+    sft = os.path.join(out, "sft")
+    if not done(sft):
+        sh([sys.executable, "pretrain_cpt.py", "--stage", "sft", *common_flags(args), "--data-path", data,
+            "--micro-batch-size", "4", "--train-iters", str(args.sft_iters), "--lr", str(args.sft_lr),
+            "--min-lr", str(args.sft_lr / 10), "--lr-warmup-iters", "10", "--log-interval", "50",
+            "--load", os.path.abspath(args.load), "--finetune", "--save", sft], os.path.join(out, "sft.log"))
+    return sft
+
+
+def rl_run(args, sft: str, name: str, seed: int, reward: str, lr: str) -> str:
+    """One RL run from `sft` on the training gather tasks (the same tasks for every name at one seed)."""
+    run = os.path.join(os.path.abspath(args.out), f"{name}_seed{seed}")
+    if not done(run):
+        if os.path.exists(os.path.join(run, "rl_steps.jsonl")):
+            os.remove(os.path.join(run, "rl_steps.jsonl"))  # an unfinished run starts over
+        sh([sys.executable, "train_rl.py", "--env", "agentic-coding", "--task-families", "gather",
+            *common_flags(args), "--load", sft, "--save", run, "--overwrite-save", "--save-interval", "100000",
+            "--seed", str(seed), "--rl-micro-batch-tokens", "8192", "--train-iters", str(args.steps),
+            "--prompts-per-step", str(args.prompts_per_step), "--group-size", str(args.group_size),
+            "--max-new-tokens", str(args.max_new_tokens), "--max-turns", str(args.max_turns),
+            "--temperature", "1.0", "--lr", lr, "--min-lr", lr, "--lr-warmup-iters", "0",
+            "--log-interval", "1", "--reward", reward], run + ".log")
+    return run
+
+
+def add_gather_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of the SFT checkpoint and the RL runs, shared with benchmarks/rl_learns.py (the same
+    `--out` reuses its checkpoint and runs)."""
+    p.add_argument("--load", default="runs/tiny/agent_sft_model",
+                   help="an agentic SFT checkpoint (examples/tiny/agentic_rl.sh)")
+    p.add_argument("--out", default="runs/gather_rl")
+    p.add_argument("--tokenizer-model", default="data/tokenizer.model")
+    p.add_argument("--data-cache-dir", default="data")
+    p.add_argument("--seeds", default="1,2,3")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--prompts-per-step", type=int, default=4)
+    p.add_argument("--group-size", type=int, default=4)
+    p.add_argument("--lr", default="5e-4")
+    p.add_argument("--reward", default="correctness=1.0,all_pass=1.0,tool_misuse=0.1")
+    p.add_argument("--tasks", type=int, default=1200, help="expert gather trajectories in the SFT data")
+    p.add_argument("--sequential-reads", type=float, default=0.7,
+                   help="the fraction of SFT trajectories that read one file per message")
+    p.add_argument("--sft-iters", type=int, default=600)
+    p.add_argument("--sft-lr", type=float, default=1e-3)
+    p.add_argument("--seq-length", type=int, default=1024)
+    p.add_argument("--max-turns", type=int, default=10)
+    p.add_argument("--max-new-tokens", type=int, default=160, help="per turn (a list of 6 reads is ~110 tokens)")
+    p.add_argument("--eval-count", type=int, default=48, help="held-out gather tasks")
 
 
 def read_steps(run: str) -> list[dict]:
@@ -84,72 +153,26 @@ def line(name: str, row: dict) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--load", default="runs/tiny/agent_sft_model", help="an agentic SFT checkpoint")
-    p.add_argument("--out", default="runs/parallel_tools")
-    p.add_argument("--tokenizer-model", default="data/tokenizer.model")
-    p.add_argument("--data-cache-dir", default="data")
-    p.add_argument("--seeds", default="1,2,3")
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--prompts-per-step", type=int, default=4)
-    p.add_argument("--group-size", type=int, default=4)
-    p.add_argument("--lr", default="5e-4")
-    p.add_argument("--reward", default="correctness=1.0,all_pass=1.0,tool_misuse=0.1")
+    add_gather_flags(p)
     p.add_argument("--terms", default="parallel_tool_calls=1.0,tool_efficiency=0.2",
                    help="added to --reward in the second arm")
-    p.add_argument("--tasks", type=int, default=1200, help="expert gather trajectories in the SFT data")
-    p.add_argument("--sequential-reads", type=float, default=0.7,
-                   help="the fraction of SFT trajectories that read one file per message")
-    p.add_argument("--sft-iters", type=int, default=300)
-    p.add_argument("--sft-lr", type=float, default=1e-3)
-    p.add_argument("--seq-length", type=int, default=1024)
-    p.add_argument("--max-turns", type=int, default=10)
-    p.add_argument("--max-new-tokens", type=int, default=160, help="per turn (a list of 6 reads is ~110 tokens)")
-    p.add_argument("--eval-count", type=int, default=48, help="held-out gather tasks, sampled at temperature 1")
     p.add_argument("--plot", default="docs/parallel_tools.png")
     args = p.parse_args()
-    py, out = sys.executable, os.path.abspath(args.out)
-    os.makedirs(out, exist_ok=True)
     started = time.perf_counter()
-    common = ["--model-preset", "tiny", "--tokenizer-model", args.tokenizer_model,
-              "--data-cache-dir", args.data_cache_dir, "--seq-length", str(args.seq_length)]
-
-    data = os.path.join(out, "gather_sft.jsonl")
-    if not os.path.exists(data):
-        from megatron_composer.rl.sft_trajectories import write_sft_jsonl
-        from megatron_composer.rl.tasks.coding import load_tasks
-
-        # RL's tasks are the first prompts-per-step x steps of the split; the SFT data starts after them
-        first = args.prompts_per_step * args.steps
-        tasks = load_tasks(["gather"], "train", count=first + args.tasks)[first:]
-        write_sft_jsonl(data, tasks, workers=8, sequential_reads=args.sequential_reads)
-    sft = os.path.join(out, "sft")
-    if not done(sft):
-        sh([py, "pretrain_cpt.py", "--stage", "sft", *common, "--data-path", data, "--micro-batch-size", "4",
-            "--train-iters", str(args.sft_iters), "--lr", str(args.sft_lr), "--min-lr", str(args.sft_lr / 10),
-            "--lr-warmup-iters", "10", "--log-interval", "50", "--load", os.path.abspath(args.load), "--finetune",
-            "--save", sft], os.path.join(out, "sft.log"))
-    start = held_out(sft, args, os.path.join(out, "eval_sft.log"))
+    sft = gather_sft(args)
+    out = os.path.abspath(args.out)
+    start = held_out(sft, args, os.path.join(out, "eval_sft_sampled.log"))
     print(f"parallel_tools after SFT: {line('held-out, sampled', start)}", flush=True)
 
     seeds = [int(s) for s in args.seeds.split(",")]
     ends: dict[str, list[dict]] = {arm: [] for arm, _ in ARMS}
     curves: dict[str, list[list[dict]]] = {arm: [] for arm, _ in ARMS}
     for seed in seeds:
-        for arm, prefix in ARMS:
-            run = os.path.join(out, f"{prefix}_seed{seed}")
-            reward = args.reward + ("," + args.terms if prefix == "terms" else "")
-            if not done(run):
-                if os.path.exists(os.path.join(run, "rl_steps.jsonl")):
-                    os.remove(os.path.join(run, "rl_steps.jsonl"))  # an unfinished run starts over
-                sh([py, "train_rl.py", "--env", "agentic-coding", "--task-families", "gather", *common,
-                    "--load", sft, "--save", run, "--overwrite-save", "--save-interval", "100000",
-                    "--seed", str(seed), "--rl-micro-batch-tokens", "8192", "--train-iters", str(args.steps),
-                    "--prompts-per-step", str(args.prompts_per_step), "--group-size", str(args.group_size),
-                    "--max-new-tokens", str(args.max_new_tokens), "--max-turns", str(args.max_turns),
-                    "--temperature", "1.0", "--lr", args.lr, "--min-lr", args.lr, "--lr-warmup-iters", "0",
-                    "--log-interval", "1", "--reward", reward], os.path.join(out, f"{prefix}_seed{seed}.log"))
+        for arm, name in ARMS:
+            reward = args.reward + ("," + args.terms if name == "terms" else "")
+            run = rl_run(args, sft, name, seed, reward, args.lr)
             curves[arm].append(read_steps(run))
-            ends[arm].append(held_out(run, args, os.path.join(out, f"eval_{prefix}_seed{seed}.log")))
+            ends[arm].append(held_out(run, args, os.path.join(out, f"eval_{name}_seed{seed}_sampled.log")))
             print(f"parallel_tools {arm} seed {seed}: {line('held-out, sampled', ends[arm][-1])}", flush=True)
 
     mean = {arm: {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]} for arm, rows in ends.items()}

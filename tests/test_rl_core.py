@@ -83,6 +83,17 @@ def test_ppo_mini_batches_make_the_ratio_depart_from_one_and_a_tight_clip_act(da
     assert plain_metrics["ratio_mean"] != 1.0
 
 
+def test_lr_zero_is_a_control_whose_weights_do_not_move(data_dir):
+    """--lr 0 (a control arm): a step with real, nonzero gradients leaves every weight bit for bit as it
+    was, except the routers' expert biases, which aux-loss-free balancing moves by its own rate."""
+    trainer = _trainer(str(data_dir / "tokenizer.model"), lr=0.0)
+    before = {n: p.detach().clone() for n, p in trainer.model.gpt.named_parameters()}
+    metrics = trainer.train_on(_made_up_samples(trainer.tokenizer))
+    assert metrics["updates"] == 1.0 and metrics["grad norm"] > 0
+    moved = [n for n, p in trainer.model.gpt.named_parameters() if not torch.equal(p.detach(), before[n])]
+    assert len(before) > 10 and moved == [], moved
+
+
 def test_one_update_per_step_keeps_the_ratio_at_one(data_dir):
     _, metrics = _updates(str(data_dir / "tokenizer.model"), tis_cap=2.0)
     assert metrics["updates"] == 1.0 and metrics["ratio_mean"] == 1.0 and metrics["clip_fraction"] == 0.0

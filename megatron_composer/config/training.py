@@ -43,8 +43,8 @@ class OptimizerConfig:
     def __post_init__(self):
         if self.optimizer not in ("adam", "muon"):
             raise ValueError(f"--optimizer {self.optimizer!r}; use adam or muon")
-        if not self.lr > 0:
-            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        if not self.lr >= 0:  # 0: the weights stay as loaded (an RL control arm: same sampling, no learning)
+            raise ValueError(f"--lr must be >= 0, got {self.lr}")
         if self.min_lr < 0:
             raise ValueError(f"--min-lr must be >= 0, got {self.min_lr}")
         if self.min_lr > self.lr:
