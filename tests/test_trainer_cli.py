@@ -124,7 +124,7 @@ def test_unusable_save_dir_fails_before_training(data_dir, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--lr", "-1e-3"], "--lr must be >= 0"),
+    (["--lr=-1e-3"], "--lr must be >= 0"),
     (["--lr", "1e-3", "--min-lr", "1e-2"], "--min-lr 0.01 is larger than --lr 0.001"),
     (["--min-lr", "-1"], "--min-lr must be >= 0"),
     (["--max-skipped-iterations", "0"], "--max-skipped-iterations must be >= 1"),
