@@ -90,6 +90,7 @@ def test_lr_zero_is_a_control_whose_weights_do_not_move(data_dir):
     before = {n: p.detach().clone() for n, p in trainer.model.gpt.named_parameters()}
     metrics = trainer.train_on(_made_up_samples(trainer.tokenizer))
     assert metrics["updates"] == 1.0 and metrics["grad norm"] > 0
+    assert metrics["effort"] == 8.0  # logged without a length term: 8 final-message tokens each, weight 1
     moved = [n for n, p in trainer.model.gpt.named_parameters() if not torch.equal(p.detach(), before[n])]
     assert len(before) > 10 and moved == [], moved
 

@@ -60,7 +60,7 @@ from .feedback_loss import FeedbackLoss, FeedbackTeacher, TeacherWeights
 from .loss import PolicyLoss
 from .packing import attention_costs, plan_step
 from .reference import build_reference_model
-from .rewards import EffortCounts, import_reward_terms, parse_reward_weights, reward_terms, score
+from .rewards import EffortCounts, effort, import_reward_terms, parse_reward_weights, reward_terms, score
 from .task_selection import TaskSelector, parse_bounds, trained_groups, zero_signal_groups
 
 
@@ -445,6 +445,8 @@ class RLTrainer:
                    "truncated fraction": sum(s.finish_reason in ("length", "max_turns", "token_budget", "context")
                                              for s in trajectories) / count}
         metrics.update({f"reward {name}": float(v.mean()) for name, v in per_term.items()})
+        weights = self.rl.reward.effort_weights  # the effort x the length penalty reads, logged with or without it
+        metrics["effort"] = sum(effort(_Scored(s).effort_counts, weights) for s in trajectories) / count
         for key in sorted({k for s in trajectories for k in s.rewards}):  # the task's own verdicts
             metrics[f"task {key}"] = sum(s.rewards.get(key, 0.0) for s in trajectories) / count
         for key in sorted({k for s in trajectories for k in s.info}):  # agentic: turns, summaries, ...
