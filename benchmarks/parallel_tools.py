@@ -66,7 +66,7 @@ def held_out(checkpoint: str, args, log: str, temperature: float = 1.0) -> dict:
             "--max-new-tokens", str(args.max_new_tokens), "--temperature", str(temperature),
             "--tokenizer-model", args.tokenizer_model, "--data-cache-dir", args.data_cache_dir], log)
     row = [line for line in open(log) if "solved:" in line][-1]
-    return {k: float(v) for k, v in re.findall(r"(solved|turns per solved|calls per turn|turns): ([0-9.]+)", row)}
+    return {k: float(v) for k, v in re.findall(r"([a-z][a-z ]*): ([0-9.]+)", row.split(" | ", 1)[1])}
 
 
 def common_flags(args) -> list[str]:
@@ -96,8 +96,9 @@ def gather_sft(args) -> str:
     return sft
 
 
-def rl_run(args, sft: str, name: str, seed: int, reward: str, lr: str) -> str:
-    """One RL run from `sft` on the training gather tasks (the same tasks for every name at one seed)."""
+def rl_run(args, sft: str, name: str, seed: int, reward: str, lr: str, extra: tuple[str, ...] = ()) -> str:
+    """One RL run from `sft` on the training gather tasks (the same tasks for every name at one seed);
+    `extra`: more train_rl.py flags."""
     run = os.path.join(os.path.abspath(args.out), f"{name}_seed{seed}")
     if not done(run):
         if os.path.exists(os.path.join(run, "rl_steps.jsonl")):
@@ -108,7 +109,8 @@ def rl_run(args, sft: str, name: str, seed: int, reward: str, lr: str) -> str:
             "--prompts-per-step", str(args.prompts_per_step), "--group-size", str(args.group_size),
             "--max-new-tokens", str(args.max_new_tokens), "--max-turns", str(args.max_turns),
             "--temperature", "1.0", "--lr", lr, "--min-lr", lr, "--lr-warmup-iters", "0",
-            "--log-interval", "1", "--reward", reward], run + ".log")
+            "--log-interval", "1", "--reward", reward, "--length-penalty-weights", args.effort_weights, *extra],
+           run + ".log")
     return run
 
 
@@ -135,6 +137,9 @@ def add_gather_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-turns", type=int, default=10)
     p.add_argument("--max-new-tokens", type=int, default=160, help="per turn (a list of 6 reads is ~110 tokens)")
     p.add_argument("--eval-count", type=int, default=48, help="held-out gather tasks")
+    p.add_argument("--effort-weights", default="turns=16",
+                   help="--length-penalty-weights of every run: the logged effort (and the length term where one "
+                        "is rewarded); a model turn weighs 16 tokens, every token 1")
 
 
 def read_steps(run: str) -> list[dict]:

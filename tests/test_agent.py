@@ -152,10 +152,12 @@ def test_self_summarization_triggers_at_the_threshold_and_chains_segments(tmp_pa
     assert len(traj.segments) == 3
     request = user_turn(SUMMARY_PROMPT)
     s0 = traj.segments[0]
-    # the summary request comes right after the context reached the trigger
-    assert client.prompts[1] == first_prompt + turn + observation + request
-    assert s0.completion_ids == turn + observation + request + TOK.encode("SUMMARY-1") + [END]
-    assert s0.trained == [1] * len(turn) + [0] * (len(observation) + len(request)) + [1] * 10
+    # the summary request comes right after the context reached the trigger, as a user turn of its own
+    # (the observation's trailing <|assistant|> header is dropped: no empty assistant turn before it)
+    assert observation[-1] == ASSISTANT and request[0] == USER
+    assert client.prompts[1] == first_prompt + turn + observation[:-1] + request
+    assert s0.completion_ids == turn + observation[:-1] + request + TOK.encode("SUMMARY-1") + [END]
+    assert s0.trained == [1] * len(turn) + [0] * (len(observation) - 1 + len(request)) + [1] * 10
     assert s0.summary == "SUMMARY-1"
     # the next segment starts from the system prompt, the task and the summary
     second_prompt = render_chat([{"role": "system", "content": system_prompt(tools.names)},

@@ -212,3 +212,44 @@ def test_gather_tasks_need_every_read_and_score_by_turns(tmp_path):
     chosen = [sequential_reader(t, 0.7) for t in tasks]
     assert 0.6 < sum(chosen) / len(chosen) < 0.8 and chosen == [sequential_reader(t, 0.7) for t in tasks]
     assert not any(sequential_reader(t, 0.0) for t in tasks) and all(sequential_reader(t, 1.0) for t in tasks)
+
+
+def test_summarized_expert_segments_are_the_agent_loops_own(tmp_path):
+    """A sequential gather trajectory cut at a trigger (`summarized_segments`) is what the agent loop makes
+    when it replays the expert's messages and summaries at that trigger: the same segments, token for token
+    (prompts, summary requests, summaries); the summaries say, by hand, what was read, what is left and what
+    was written; the episode is solved; one SFT line per segment."""
+    from megatron_composer.data.sft import render_chat
+    from megatron_composer.rl.agent import SUMMARY_HEADER, SUMMARY_PROMPT
+    from megatron_composer.rl.sft_trajectories import expert_conversation, summarized_segments, write_sft_jsonl
+
+    task = next(t for t in load_tasks(["gather"], "train", count=50) if len(t.reads) == 4)
+    words = [task.files[p].strip() for p in task.reads]
+    messages = expert_conversation(task, batch_reads=False, workdir=str(tmp_path))
+    prompt = len(render_chat(messages[:2], TOK, add_generation_prompt=True)[0])
+    read = len(render_chat(messages[:4], TOK, add_generation_prompt=True)[0]) - prompt  # one read and its answer
+    trigger = prompt + 2 * read + 10  # two reads fit, the third starts a summary
+    segments = summarized_segments(task, messages, TOK, trigger)
+    a, b, c, d = task.reads
+    first = f"Read: {a} holds {words[0]}; {b} holds {words[1]}; {c} holds {words[2]}. Left to read: {d}."
+    assert segments[0][-2:] == [{"role": "user", "content": SUMMARY_PROMPT}, {"role": "assistant", "content": first}]
+    assert segments[1][1]["content"] == f"{task.instruction}\n\n{SUMMARY_HEADER}{first}"
+    summaries = [s[-1]["content"] for s in segments[:-1]]
+    assert summaries[-1].startswith(f"Read: {a} holds {words[0]}") and summaries[-1].endswith(
+        f"{d} holds {words[3]}. Every file is read. Wrote answer.txt.")
+    actions = [m["content"] for s in segments for m in s[2:] if m["role"] == "assistant" and m["content"] not in summaries]
+    assert actions == [m["content"] for m in messages if m["role"] == "assistant"]
+
+    script = [m["content"] for s in segments for m in s[2:] if m["role"] == "assistant"]
+    config = AgentConfig(max_context_tokens=16384, max_turn_tokens=4096, max_observation_tokens=4096, max_turns=8,
+                         summary_trigger_tokens=trigger, max_summaries=len(summaries), summary_max_tokens=4096)
+    env = AgenticCodingEnv(("gather",), workdir=str(tmp_path))
+    result = env.episode(Agent(ScriptedClient(TOK, script), TOK, config), task)
+    assert result.verdict["all_pass"] == 1.0 and result.trajectory.summaries == summaries
+    for ours, seg in zip(segments, result.trajectory.segments, strict=True):
+        assert render_chat(ours, TOK)[0][:-1] == seg.ids  # the loop's segment: no EOD after the last turn
+
+    out = tmp_path / "segments.jsonl"
+    write_sft_jsonl(out, [task], workers=1, log=None, sequential_reads=1.0, summarize=(TOK, trigger))
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [x["segment"] for x in lines] == list(range(len(segments))) and [x["messages"] for x in lines] == segments

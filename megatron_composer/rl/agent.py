@@ -129,6 +129,16 @@ class Segment:
         self.logprobs += list(logprobs) if trained else [0.0] * n
         self.policy_versions += list(versions) if trained else [-1] * n
 
+    def drop_opener(self, opener: Sequence[int]) -> int:
+        """Remove a trailing `opener` (the assistant header an observation turn ends with) when it was
+        appended, not generated; returns how many ids went."""
+        n = len(opener)
+        if n and self.completion_ids[-n:] == list(opener) and not any(self.trained[-n:]):
+            for values in (self.completion_ids, self.trained, self.logprobs, self.policy_versions):
+                del values[-n:]
+            return n
+        return 0
+
     def record_routes(self, routes: Optional[torch.Tensor]) -> None:
         """Merge one call's routes (rows for its prompt + generated ids): a row already known keeps
         the routing it had when its token was processed; unknown rows (-1) take the new ones."""
@@ -301,9 +311,10 @@ class Agent:
             if summaries_left() and any(segment.trained) and (segment.length >= cfg.summary_trigger_tokens
                                                               or room < 1):
                 # self-summarization: the request (not trained), the summary (trained), a new segment;
-                # only after a model turn, so a long segment prompt cannot chain summaries
+                # only after a model turn, so a long segment prompt cannot chain summaries. The request is
+                # a user turn of its own: the assistant header the observation ended with goes first
+                counter.tool_output += len(summary_request) - segment.drop_opener(tok.role_ids("assistant"))
                 segment.append(summary_request, trained=False)
-                counter.tool_output += len(summary_request)
                 max_tokens = min(cfg.summary_max_tokens, cfg.max_context_tokens - segment.length,
                                  budget if budget is not None else cfg.summary_max_tokens)
                 out = self._generate(segment.ids, max_tokens, seed * 1_000_003 + calls)

@@ -265,16 +265,18 @@ class AgenticEnvironment(Environment):
         return episode_samples(results, [group_id] * len(seeds), rl.rollout.group_size, self.tokenizer, self.rules,
                                rl.feedback.hint_role)
 
-    def evaluate(self, backend, *, workers, shard: tuple[int, int] = (0, 1), temperature: float = 0.0):
-        """Episodes of tasks `rank::world` of `shard` (seed = task index; greedy unless `temperature`):
-        `agentic.summarize`'s row prefixed "eval " ("eval solved", "eval correctness", "eval turns", ...)."""
+    def evaluate(self, backend, *, workers, shard: tuple[int, int] = (0, 1), temperature: float = 0.0,
+                 seed: int = 0):
+        """Episodes of tasks `rank::world` of `shard` (episode seed = task index + seed x 1000003; greedy
+        unless `temperature`): `agentic.summarize`'s row prefixed "eval " ("eval solved", "eval correctness",
+        "eval turns", ...)."""
         from .agent import Agent
         from .agentic import summarize
 
         agent = Agent(backend, self.tokenizer, self.agent_config(routed_experts=False, temperature=temperature))
         tasks = self.episodes.tasks()
         mine = list(range(shard[0], len(tasks), shard[1]))
-        results = self.episodes.episodes(agent, [(tasks[i], i) for i in mine], max_workers=workers)
+        results = self.episodes.episodes(agent, [(tasks[i], i + seed * 1_000_003) for i in mine], max_workers=workers)
         row = summarize([r for r in results if r is not None], self.tokenizer)  # "tasks": those scored
         return {f"eval {k}": float(v) if isinstance(v, (int, float)) else v for k, v in row.items()}
 

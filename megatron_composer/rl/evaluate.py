@@ -40,6 +40,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--summary-max-tokens", type=int, default=96)
     p.add_argument("--max-summaries", type=int, default=2)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="sampling seed of the episodes (with --temperature): task i samples with seed i + seed x 1000003")
     p.add_argument("--workers", type=int, default=16)
     args = p.parse_args(argv)
     if args.summary_trigger_tokens and not args.token_budget:
@@ -72,7 +74,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                       f"checkpoint {args.load}")
             backend.start()
             try:
-                row = env.evaluate(backend, workers=args.workers, temperature=args.temperature)
+                row = env.evaluate(backend, workers=args.workers, temperature=args.temperature, seed=args.seed)
             finally:
                 backend.stop()
             print(f"{name:>22} | " + " | ".join(f"{k[5:]}: {v:.3f}" if isinstance(v, float) else f"{k[5:]}: {v}"
