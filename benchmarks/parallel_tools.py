@@ -184,9 +184,10 @@ def main() -> None:
     for arm, _ in ARMS:
         print(f"parallel_tools {arm}, mean of seeds {args.seeds}: {line('held-out, sampled', mean[arm])}")
     base, terms = mean["RL"], mean["RL + tool terms"]
-    ratio = base["turns per solved"] / terms["turns per solved"] if terms["turns per solved"] else float("inf")
+    ratio = (f"{base['turns per solved'] / terms['turns per solved']:.2f}x" if base["turns per solved"] and
+             terms["turns per solved"] else "n/a (an arm solved no held-out task)")
     spread = {arm: (min(r["solved"] for r in rows), max(r["solved"] for r in rows)) for arm, rows in ends.items()}
-    print(f"parallel_tools: turns per solved episode, RL / RL + tool terms = {ratio:.2f}x (target >= 1.5x); "
+    print(f"parallel_tools: turns per solved episode, RL / RL + tool terms = {ratio} (target >= 1.5x); "
           f"solve rate {base['solved']:.3f} (seeds {spread['RL'][0]:.3f}-{spread['RL'][1]:.3f}) vs "
           f"{terms['solved']:.3f} (seeds {spread['RL + tool terms'][0]:.3f}-{spread['RL + tool terms'][1]:.3f}); "
           f"after SFT {start['turns per solved']:.2f} turns per solved, solved {start['solved']:.3f}; "

@@ -51,7 +51,7 @@ def paired_t(differences: list[float]) -> tuple[float, float]:
     n = len(differences)
     mean = sum(differences) / n
     sd = math.sqrt(sum((d - mean) ** 2 for d in differences) / (n - 1)) if n > 1 else 0.0
-    if sd == 0.0:
+    if sd <= 1e-12 * max(1.0, abs(mean)):  # equal differences (up to rounding): no spread to test against
         return (math.inf if mean else 0.0), (0.0 if mean else 1.0)
     t = mean / (sd / math.sqrt(n))
     return t, student_t_two_sided(t, n - 1)
