@@ -23,7 +23,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from parallel_tools import add_gather_flags, gather_sft, held_out, read_steps, rl_run  # noqa: E402
+from parallel_tools import add_gather_flags, gather_sft, held_out, read_steps, rl_run, sft_result  # noqa: E402
 
 ARMS = (("RL", "rl"), ("RL + length penalty", "length"))
 
@@ -42,7 +42,7 @@ def main() -> None:
     started = time.perf_counter()
     sft = gather_sft(args)
     out = os.path.abspath(args.out)
-    start = held_out(sft, args, os.path.join(out, "eval_sft_greedy.log"), temperature=0.0)["solved"]
+    start = sft_result(args)[1]  # held-out pass@1 (greedy) where SFT stopped
     seeds = [int(s) for s in args.seeds.split(",")]
     curves: dict[str, list[list[dict]]] = {arm: [] for arm, _ in ARMS}
     ends: dict[str, list[float]] = {arm: [] for arm, _ in ARMS}

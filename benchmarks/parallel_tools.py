@@ -9,7 +9,9 @@
    model starts RL with is this mixture: an episode takes k + 2 turns when it
    reads one file at a time, 3 when it batches (reads, write, finish).
 2. SFT from `--load` (an agentic SFT checkpoint, e.g. `examples/tiny/agentic_rl.sh`'s)
-   at `--seq-length` 1024 (a sequential k = 6 trajectory is about 870 tokens).
+   at `--seq-length` 1024 (a sequential k = 6 trajectory is about 870 tokens),
+   in chunks of `--sft-chunk` steps, until the held-out pass@1 (greedy) reaches
+   `--sft-stop-pass1`: RL needs a model that solves some tasks and not others.
 3. RL from that checkpoint on training gather tasks, the same seeds, tasks and
    steps for both arms: "RL" with the task reward (correctness + all_pass +
    0.1 x tool misuse) and "RL + tool terms" with `--terms` added
@@ -88,12 +90,31 @@ def gather_sft(args) -> str:
         tasks = load_tasks(["gather"], "train", count=first + args.tasks)[first:]
         write_sft_jsonl(data, tasks, workers=8, sequential_reads=args.sequential_reads)
     sft = os.path.join(out, "sft")
-    if not done(sft):
+    stop = os.path.join(out, "sft_done.txt")  # written when SFT stopped: its last iteration and pass@1
+    if os.path.exists(stop):
+        return sft
+    # SFT in chunks, stopping at the first held-out pass@1 (greedy) of at least --sft-stop-pass1: RL
+    # needs a model that solves some tasks and fails others
+    iteration, pass1 = 0, 0.0
+    while iteration < args.sft_iters and pass1 < args.sft_stop_pass1:
+        first, iteration = iteration == 0, min(args.sft_iters, iteration + args.sft_chunk)
+        start = ["--load", os.path.abspath(args.load), "--finetune"] if first else ["--load", sft]
         sh([sys.executable, "pretrain_cpt.py", "--stage", "sft", *common_flags(args), "--data-path", data,
-            "--micro-batch-size", "4", "--train-iters", str(args.sft_iters), "--lr", str(args.sft_lr),
-            "--min-lr", str(args.sft_lr / 10), "--lr-warmup-iters", "10", "--log-interval", "50",
-            "--load", os.path.abspath(args.load), "--finetune", "--save", sft], os.path.join(out, "sft.log"))
+            "--micro-batch-size", "4", "--train-iters", str(iteration), "--lr", str(args.sft_lr),
+            "--min-lr", str(args.sft_lr), "--lr-warmup-iters", "10", "--log-interval", "50", *start,
+            "--save", sft], os.path.join(out, f"sft_{iteration}.log"))
+        pass1 = held_out(sft, args, os.path.join(out, f"eval_sft{iteration}_greedy.log"), temperature=0.0)["solved"]
+        print(f"gather SFT: iteration {iteration}, held-out pass@1 {pass1:.3f} (greedy, {args.eval_count} tasks)",
+              flush=True)
+    with open(stop, "w") as f:
+        f.write(f"{iteration} {pass1}\n")
     return sft
+
+
+def sft_result(args) -> tuple[int, float]:
+    """(the SFT's last iteration, its held-out pass@1) as `gather_sft` recorded them."""
+    iteration, pass1 = open(os.path.join(os.path.abspath(args.out), "sft_done.txt")).read().split()
+    return int(iteration), float(pass1)
 
 
 def rl_run(args, sft: str, name: str, seed: int, reward: str, lr: str, extra: tuple[str, ...] = ()) -> str:
@@ -126,12 +147,15 @@ def add_gather_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--prompts-per-step", type=int, default=4)
     p.add_argument("--group-size", type=int, default=4)
-    p.add_argument("--lr", default="5e-4")
+    p.add_argument("--lr", default="1e-3")
     p.add_argument("--reward", default="correctness=1.0,all_pass=1.0,tool_misuse=0.1")
     p.add_argument("--tasks", type=int, default=1200, help="expert gather trajectories in the SFT data")
     p.add_argument("--sequential-reads", type=float, default=0.7,
                    help="the fraction of SFT trajectories that read one file per message")
-    p.add_argument("--sft-iters", type=int, default=600)
+    p.add_argument("--sft-iters", type=int, default=800, help="SFT stops here at the latest")
+    p.add_argument("--sft-chunk", type=int, default=100, help="SFT steps between held-out evaluations")
+    p.add_argument("--sft-stop-pass1", type=float, default=0.3,
+                   help="SFT stops at the first held-out pass@1 (greedy) at least this")
     p.add_argument("--sft-lr", type=float, default=1e-3)
     p.add_argument("--seq-length", type=int, default=1024)
     p.add_argument("--max-turns", type=int, default=10)

@@ -30,7 +30,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from parallel_tools import add_gather_flags, gather_sft, held_out, read_steps, rl_run  # noqa: E402
+from parallel_tools import add_gather_flags, gather_sft, held_out, read_steps, rl_run, sft_result  # noqa: E402
 
 
 def student_t_two_sided(t: float, df: int) -> float:
@@ -65,7 +65,7 @@ def main() -> None:
     started = time.perf_counter()
     sft = gather_sft(args)
     out = os.path.abspath(args.out)
-    start = held_out(sft, args, os.path.join(out, "eval_sft_greedy.log"), temperature=0.0)["solved"]
+    start = sft_result(args)[1]  # held-out pass@1 (greedy) where SFT stopped
     verdict = "inside" if 0.1 <= start <= 0.6 else "OUTSIDE"
     print(f"rl_learns: held-out pass@1 after SFT {start:.3f} ({verdict} the asked range 0.1-0.6; "
           f"{args.eval_count} gather tasks, greedy)", flush=True)
