@@ -1,15 +1,17 @@
 """gather: read k files (3 to 6), then write their words, in order, to one file.
 
-"Each of the files `moon.txt`, `red.txt`, `sun.txt` holds one word. Create
+"Each of the files `a.txt`, `b.txt`, `c.txt` holds one word. Create
 `answer.txt` containing those words in that order, separated by spaces."
-The workspace holds the k files, each one word that its name does not give
-away, so the answer needs every file read; no read depends on another, so an
+The workspace holds the k files (named by the first k letters, so the
+tasks differ only in what the files hold), each one word that only reading
+it tells, so the answer needs every file read; no read depends on another, so an
 agent can make all k reads in one message (a list of calls) or one per
 message. This is the family `benchmarks/parallel_tools.py` trains on: the
 number of turns an episode takes measures how the agent batches its reads.
 Two hidden tests: the answer file exists, and it holds exactly the words
-(one trailing newline allowed). Names and words come from write-file's word
-list so a tiny model can learn the family.
+(one trailing newline allowed). The words come from write-file's word list
+and the names are letters so that a tiny model can learn the family: what it
+must copy is the words it read.
 """
 from __future__ import annotations
 
@@ -42,8 +44,12 @@ def test_answer_content():
 '''
 
 
-def make_task(names: tuple[str, ...], words: tuple[str, ...]) -> CodingTask:
-    """The task over files `<name>.txt` holding `words`, in that order."""
+NAMES = "abcdef"  # the files of a task with k reads: the first k letters
+
+
+def make_task(words: tuple[str, ...]) -> CodingTask:
+    """The task over files `a.txt`, `b.txt`, ... holding `words`, in that order."""
+    names = tuple(NAMES[:len(words)])
     paths = tuple(f"{n}.txt" for n in names)
     listed = ", ".join(f"`{p}`" for p in paths)
     content = " ".join(words)
@@ -57,14 +63,11 @@ def make_task(names: tuple[str, ...], words: tuple[str, ...]) -> CodingTask:
 
 
 def generate() -> list[CodingTask]:
-    """POOL_SIZE distinct tasks drawn with a fixed seed: k distinct file names and k words (repeats
-    allowed), never a file holding its own name."""
-    rng, seen, tasks = random.Random(f"{FAMILY}/v1"), set(), []
+    """POOL_SIZE distinct tasks drawn with a fixed seed: k of READS, then k words (repeats allowed)."""
+    rng, seen, tasks = random.Random(f"{FAMILY}/v2"), set(), []
     while len(tasks) < POOL_SIZE:
-        k = rng.choice(READS)
-        names = tuple(rng.sample(WORDS, k))
-        words = tuple(rng.choice([w for w in WORDS if w != n]) for n in names)
-        if (names, words) not in seen:
-            seen.add((names, words))
-            tasks.append(make_task(names, words))
+        words = tuple(rng.choice(WORDS) for _ in range(rng.choice(READS)))
+        if words not in seen:
+            seen.add(words)
+            tasks.append(make_task(words))
     return tasks
