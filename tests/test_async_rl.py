@@ -76,6 +76,51 @@ def _killpg(proc):
     proc.wait(timeout=60)
 
 
+def _ray_head(port: int, env: dict, log_path) -> subprocess.Popen:
+    """`ray start --head --block` in a session of its own (ready once it says it blocks). Not `ray stop` to
+    end it: that stops every Ray instance on the machine, other tests' included; `_end_session` ends this one."""
+    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    with open(log_path, "w") as log:
+        head = subprocess.Popen([ray_bin, "start", "--head", "--block", f"--port={port}", "--num-cpus=4",
+                                 "--include-dashboard=false", "--disable-usage-stats"], env=env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 180
+    while "--block" not in log_path.read_text():
+        if head.poll() is not None or time.monotonic() > deadline:
+            _end_session(head)
+            raise AssertionError(f"ray start --head did not come up: {log_path.read_text()[-3000:]}")
+        time.sleep(0.5)
+    return head
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def _end_session(proc: subprocess.Popen, seconds: float = 60.0) -> None:
+    """SIGKILL every process of the session `proc` leads (it was started with start_new_session) until none
+    is left; processes of other sessions (other tests' Ray instances) are untouched."""
+    deadline = time.monotonic() + seconds
+    while True:
+        left = []
+        for name in os.listdir("/proc"):
+            try:
+                if name.isdigit() and os.getsid(int(name)) == proc.pid and not _zombie(int(name)):
+                    os.kill(int(name), signal.SIGKILL)
+                    left.append(int(name))
+            except (ProcessLookupError, PermissionError):
+                pass
+        if proc.poll() is None:
+            proc.wait(timeout=30)
+        if not left or time.monotonic() > deadline:
+            return
+        time.sleep(0.5)
+
+
 @pytest.mark.slow
 def test_a_killed_job_resumes_on_a_cluster_and_survives_killed_services(data_dir, tmp_path):
     from megatron_composer.checkpoint import latest_iteration, read_extra_file
@@ -112,10 +157,8 @@ def test_a_killed_job_resumes_on_a_cluster_and_survives_killed_services(data_dir
     # on-policy: nothing in flight or waiting at a checkpoint
     assert not held["ready"] and not held["relaunch"] and held["next_group_id"] == 2 * resumed_at
 
-    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
     port = _port()
-    subprocess.run([ray_bin, "start", "--head", f"--port={port}", "--num-cpus=4", "--include-dashboard=false",
-                    "--disable-usage-stats"], check=True, env=env, capture_output=True, timeout=180)
+    head = _ray_head(port, env, tmp_path / "ray_head.log")
     try:
         with open(tmp_path / "second.log", "w") as log:
             second = subprocess.Popen(cmd + ["--load", save, "--ray-address", f"127.0.0.1:{port}"], cwd=ROOT,
@@ -136,7 +179,7 @@ def test_a_killed_job_resumes_on_a_cluster_and_survives_killed_services(data_dir
         text = (tmp_path / "second.log").read_text()
         assert second.returncode == 0, text[-3000:]
     finally:
-        subprocess.run([ray_bin, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        _end_session(head)
 
     rows = _rows(save)
     kept = [r for r in rows if r["job"] == first_job and r["iteration"] <= resumed_at]
