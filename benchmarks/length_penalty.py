@@ -12,7 +12,9 @@ episode can spend less by batching its reads (fewer turns), by not reading a
 file twice and by ending once the answer is written. Prints, per arm and
 seed, the effort and the training solve rate (sampled) over the first and
 last 3 steps and the held-out pass@1 (greedy) after RL, the means, and plots
-`docs/length_penalty.png` (effort and solve rate per step).
+`docs/length_penalty.png` (effort and solve rate per step). `--family
+write-file`: the same two arms on write-file tasks from `--load` itself (its
+`--out` shares the RL arm with `rl_learns.py --family write-file`).
 """
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from parallel_tools import add_gather_flags, gather_sft, held_out, read_steps, rl_run, sft_result  # noqa: E402
+from parallel_tools import (add_gather_flags, gather_sft, held_out, parse_args, read_steps, rl_run,  # noqa: E402
+                            sft_result)
 
 ARMS = (("RL", "rl"), ("RL + length penalty", "length"))
 
@@ -38,7 +41,7 @@ def main() -> None:
     add_gather_flags(p)
     p.add_argument("--length-weight", default="0.005", help="W of the length term in the second arm")
     p.add_argument("--plot", default="docs/length_penalty.png")
-    args = p.parse_args()
+    args = parse_args(p)
     started = time.perf_counter()
     sft = gather_sft(args)
     out = os.path.abspath(args.out)
@@ -98,7 +101,7 @@ def plot(curves: dict, args) -> None:
         ax.set_ylabel(label)
         ax.set_ylim(bottom=0)
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"gather: RL with and without the length penalty (length={args.length_weight})", fontsize=9)
+    fig.suptitle(f"{args.family}: RL with and without the length penalty (length={args.length_weight})", fontsize=9)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
     fig.savefig(args.plot, dpi=110)

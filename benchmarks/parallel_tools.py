@@ -39,6 +39,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 ARMS = (("RL", "rl"), ("RL + tool terms", "terms"))
+# per family: the context, turns and tokens per turn of its episodes (write-file: examples/tiny/agentic_rl.sh's)
+FAMILY_DEFAULTS = {"gather": dict(seq_length=1024, max_turns=10, max_new_tokens=160),
+                   "write-file": dict(seq_length=512, max_turns=3, max_new_tokens=64)}
+
+
+def parse_args(p: argparse.ArgumentParser) -> argparse.Namespace:
+    """`p`'s arguments with the family's defaults filled in where a flag was not given."""
+    args = p.parse_args()
+    for key, value in FAMILY_DEFAULTS[args.family].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.out is None:
+        args.out = f"runs/{args.family.replace('-', '_')}_rl"
+    return args
 
 
 def sh(argv: list[str], log: str) -> str:
@@ -60,10 +74,10 @@ def done(path: str) -> bool:
 
 
 def held_out(checkpoint: str, args, log: str, temperature: float = 1.0) -> dict:
-    """rl.evaluate's row for `checkpoint` on the held-out gather tasks (sampled at `temperature`, greedy
-    at 0), cached in `log`."""
+    """rl.evaluate's row for `checkpoint` on the held-out tasks of `--family` (sampled at `temperature`,
+    greedy at 0), cached in `log`."""
     if not (os.path.exists(log) and "solved:" in open(log).read()):
-        sh([sys.executable, "-m", "megatron_composer.rl.evaluate", "--load", checkpoint, "--families", "gather",
+        sh([sys.executable, "-m", "megatron_composer.rl.evaluate", "--load", checkpoint, "--families", args.family,
             "--count", str(args.eval_count), "--seq-length", str(args.seq_length), "--max-turns", str(args.max_turns),
             "--max-new-tokens", str(args.max_new_tokens), "--temperature", str(temperature),
             "--tokenizer-model", args.tokenizer_model, "--data-cache-dir", args.data_cache_dir], log)
@@ -77,9 +91,19 @@ def common_flags(args) -> list[str]:
 
 
 def gather_sft(args) -> str:
-    """The SFT checkpoint (steps 1-2 of the module docstring), built once per `--out`."""
+    """The SFT checkpoint (steps 1-2 of the module docstring), built once per `--out`. With `--family`
+    other than gather, RL starts from `--load` itself (an SFT checkpoint for that family) and only its
+    held-out pass@1 is recorded."""
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
+    stop = os.path.join(out, "sft_done.txt")  # written when SFT stopped: its last iteration and pass@1
+    if args.family != "gather":
+        if not os.path.exists(stop):
+            pass1 = held_out(os.path.abspath(args.load), args, os.path.join(out, "eval_sft0_greedy.log"),
+                             temperature=0.0)["solved"]
+            with open(stop, "w") as f:
+                f.write(f"0 {pass1}\n")
+        return os.path.abspath(args.load)
     data = os.path.join(out, "gather_sft.jsonl")
     if not os.path.exists(data):
         from megatron_composer.rl.sft_trajectories import write_sft_jsonl
@@ -90,7 +114,6 @@ def gather_sft(args) -> str:
         tasks = load_tasks(["gather"], "train", count=first + args.tasks)[first:]
         write_sft_jsonl(data, tasks, workers=8, sequential_reads=args.sequential_reads)
     sft = os.path.join(out, "sft")
-    stop = os.path.join(out, "sft_done.txt")  # written when SFT stopped: its last iteration and pass@1
     if os.path.exists(stop):
         return sft
     # SFT in chunks, stopping at the first held-out pass@1 (greedy) of at least --sft-stop-pass1: RL
@@ -118,13 +141,13 @@ def sft_result(args) -> tuple[int, float]:
 
 
 def rl_run(args, sft: str, name: str, seed: int, reward: str, lr: str, extra: tuple[str, ...] = ()) -> str:
-    """One RL run from `sft` on the training gather tasks (the same tasks for every name at one seed);
-    `extra`: more train_rl.py flags."""
+    """One RL run from `sft` on the training tasks of `--family` (the same tasks for every name at one
+    seed); `extra`: more train_rl.py flags."""
     run = os.path.join(os.path.abspath(args.out), f"{name}_seed{seed}")
     if not done(run):
         if os.path.exists(os.path.join(run, "rl_steps.jsonl")):
             os.remove(os.path.join(run, "rl_steps.jsonl"))  # an unfinished run starts over
-        sh([sys.executable, "train_rl.py", "--env", "agentic-coding", "--task-families", "gather",
+        sh([sys.executable, "train_rl.py", "--env", "agentic-coding", "--task-families", args.family,
             *common_flags(args), "--load", sft, "--save", run, "--overwrite-save", "--save-interval", "100000",
             "--seed", str(seed), "--rl-micro-batch-tokens", "8192", "--train-iters", str(args.steps),
             "--prompts-per-step", str(args.prompts_per_step), "--group-size", str(args.group_size),
@@ -138,9 +161,12 @@ def rl_run(args, sft: str, name: str, seed: int, reward: str, lr: str, extra: tu
 def add_gather_flags(p: argparse.ArgumentParser) -> None:
     """The flags of the SFT checkpoint and the RL runs, shared with benchmarks/rl_learns.py (the same
     `--out` reuses its checkpoint and runs)."""
+    p.add_argument("--family", choices=sorted(FAMILY_DEFAULTS), default="gather",
+                   help="the task family of RL and the held-out evaluation; gather: SFT on gather trajectories "
+                        "from --load first; write-file: RL starts from --load itself")
     p.add_argument("--load", default="runs/tiny/agent_sft_model",
                    help="an agentic SFT checkpoint (examples/tiny/agentic_rl.sh)")
-    p.add_argument("--out", default="runs/gather_rl")
+    p.add_argument("--out", default=None, help="runs and checkpoints (default runs/<family>_rl)")
     p.add_argument("--tokenizer-model", default="data/tokenizer.model")
     p.add_argument("--data-cache-dir", default="data")
     p.add_argument("--seeds", default="1,2,3")
@@ -157,10 +183,11 @@ def add_gather_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sft-stop-pass1", type=float, default=0.3,
                    help="SFT stops at the first held-out pass@1 (greedy) at least this")
     p.add_argument("--sft-lr", type=float, default=1e-3)
-    p.add_argument("--seq-length", type=int, default=1024)
-    p.add_argument("--max-turns", type=int, default=10)
-    p.add_argument("--max-new-tokens", type=int, default=160, help="per turn (a list of 6 reads is ~110 tokens)")
-    p.add_argument("--eval-count", type=int, default=48, help="held-out gather tasks")
+    p.add_argument("--seq-length", type=int, default=None, help="default: gather 1024, write-file 512")
+    p.add_argument("--max-turns", type=int, default=None, help="default: gather 10, write-file 3")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="per turn; default: gather 160 (a list of 6 reads is ~110 tokens), write-file 64")
+    p.add_argument("--eval-count", type=int, default=48, help="held-out tasks")
     p.add_argument("--effort-weights", default="turns=16",
                    help="--length-penalty-weights of every run: the logged effort (and the length term where one "
                         "is rewarded); a model turn weighs 16 tokens, every token 1")
@@ -186,7 +213,7 @@ def main() -> None:
     p.add_argument("--terms", default="parallel_tool_calls=1.0,tool_efficiency=0.2",
                    help="added to --reward in the second arm")
     p.add_argument("--plot", default="docs/parallel_tools.png")
-    args = p.parse_args()
+    args = parse_args(p)
     started = time.perf_counter()
     sft = gather_sft(args)
     out = os.path.abspath(args.out)
@@ -241,7 +268,7 @@ def plot(curves: dict[str, list[list[dict]]], args) -> None:
         ax.set_ylabel(label)
         ax.set_ylim(bottom=0)
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"gather (k = 3-6 independent reads): RL with and without {args.terms}", fontsize=9)
+    fig.suptitle(f"{args.family}: RL with and without {args.terms}", fontsize=9)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
     fig.savefig(args.plot, dpi=110)

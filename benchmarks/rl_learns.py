@@ -9,6 +9,9 @@ scripted expert trajectories), then SFT on `gather` trajectories
 checkpoint and the RL arm's runs with that benchmark). The tasks are the
 `gather` family: read k = 3-6 files, write their words to answer.txt; a task
 is solved when its hidden pytest tests pass in the bubblewrap sandbox.
+`--family write-file` measures on write-file tasks instead (create one file
+with an exact short text, the family `examples/tiny/agentic_rl.sh` fine-tunes
+on): RL starts from `--load` itself, with that script's context and turns.
 
 Two arms per seed, the same tasks, sampling and steps: "RL" (`--lr`, reward
 correctness + all_pass + 0.1 x tool misuse) and "control" (`--lr 0`: the same
@@ -30,7 +33,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from parallel_tools import add_gather_flags, gather_sft, held_out, read_steps, rl_run, sft_result  # noqa: E402
+from parallel_tools import (add_gather_flags, gather_sft, held_out, parse_args, read_steps, rl_run,  # noqa: E402
+                            sft_result)
 
 
 def student_t_two_sided(t: float, df: int) -> float:
@@ -61,14 +65,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_gather_flags(p)
     p.add_argument("--plot", default="docs/rl_learns.png")
-    args = p.parse_args()
+    args = parse_args(p)
     started = time.perf_counter()
     sft = gather_sft(args)
     out = os.path.abspath(args.out)
     start = sft_result(args)[1]  # held-out pass@1 (greedy) where SFT stopped
     verdict = "inside" if 0.1 <= start <= 0.6 else "OUTSIDE"
     print(f"rl_learns: held-out pass@1 after SFT {start:.3f} ({verdict} the asked range 0.1-0.6; "
-          f"{args.eval_count} gather tasks, greedy)", flush=True)
+          f"{args.eval_count} held-out {args.family} tasks, greedy)", flush=True)
     seeds = [int(s) for s in args.seeds.split(",")]
     ends: dict[str, list[float]] = {"RL": [], "control": []}
     curves: dict[str, list[list[dict]]] = {"RL": [], "control": []}
@@ -122,7 +126,7 @@ def plot(start: float, ends: dict, curves: dict, args) -> None:
     right.set_ylabel(f"held-out pass@1 (greedy, {args.eval_count} tasks)")
     right.set_ylim(0, 1)
     right.legend(fontsize=8)
-    fig.suptitle("gather tasks, execution-verified: RL vs an lr-0 control, per seed", fontsize=9)
+    fig.suptitle(f"{args.family} tasks, execution-verified: RL vs an lr-0 control, per seed", fontsize=9)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
     fig.savefig(args.plot, dpi=110)

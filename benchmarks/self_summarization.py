@@ -26,7 +26,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from parallel_tools import add_gather_flags, common_flags, done, gather_sft, sh  # noqa: E402
+from parallel_tools import add_gather_flags, common_flags, done, gather_sft, parse_args, sh  # noqa: E402
 
 ROW = re.compile(r"^\s*(no summaries|summaries at \d+) \| (.*)$")
 
@@ -53,7 +53,10 @@ def main() -> None:
     p.add_argument("--summary-tasks", type=int, default=800, help="summarized expert trajectories in the SFT data")
     p.add_argument("--summary-sft-iters", type=int, default=300)
     p.add_argument("--token-budget", type=int, default=1024, help="generated tokens per episode, both modes")
-    args = p.parse_args()
+    args = parse_args(p)
+    if args.family != "gather":
+        p.error(f"--family {args.family}: self-summarization is measured on gather (its episodes outgrow the "
+                "context); drop --family")
     started = time.perf_counter()
     sft = gather_sft(args)
     out = os.path.abspath(args.out)

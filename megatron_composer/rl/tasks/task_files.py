@@ -38,14 +38,17 @@ from __future__ import annotations
 import ast
 import builtins
 import dataclasses
+import itertools
 import json
 import math
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional, TypeVar
 
 from ..task_envs import parse_requirements
 from .code_harness import unit_count
 from .python_ast import PARSE_LOCK
+
+T = TypeVar("T")
 
 FORMATS = ("jsonl", "humaneval", "mbpp")
 JSON_SUFFIXES = (".jsonl", ".json")
@@ -247,30 +250,39 @@ def _parquet_records(path: Path) -> Iterator[tuple[str, object]]:
         yield f"{path}:row {number}", row
 
 
+def read_valid(records: Iterable[tuple[str, object]], convert: Callable[[dict, str], T], key: Callable[[T], str], *,
+               noun: str = "task", key_name: str = "id") -> tuple[list[T], list[str]]:
+    """(`convert(record, where)` of each valid record in order, a `where: problem; fix` for every bad one). Bad:
+    a `BadRecord` from the reader or from `convert`, a record that is not an object, a `key` seen before
+    (`key_name` names it in the message). Task files and SWE instance files share it."""
+    valid, problems, seen = [], [], {}
+    for where, record in records:
+        try:
+            if isinstance(record, BadRecord):
+                raise record
+            if not isinstance(record, dict):
+                raise BadRecord(f"a JSON object is expected, got {type(record).__name__}; write one {noun} per line")
+            item = convert(record, where)
+            if key(item) in seen:
+                raise BadRecord(f"duplicate {key_name} {_short(key(item))} (first at {seen[key(item)]}); give every "
+                                f"{noun} its own {key_name}")
+        except BadRecord as exc:
+            problems.append(f"{where}: {exc}")
+            continue
+        seen[key(item)] = where
+        valid.append(item)
+    return valid, problems
+
+
 def load_code_tasks(path: str | Path, fmt: str = "jsonl") -> tuple[list[CodeTask], list[str]]:
     """(the valid tasks in file order, a `path:line: problem; fix` for every bad record); ValueError when
     no record is valid (module docstring)."""
     if fmt not in FORMATS:
         raise ValueError(f"--task-format {fmt!r}; use one of {', '.join(FORMATS)}")
-    tasks, problems, seen = [], [], {}
-    for shard in shard_paths(path):
-        records = _parquet_records(shard) if shard.suffix in PARQUET_SUFFIXES else _jsonl_records(shard)
-        for where, record in records:
-            try:
-                if isinstance(record, BadRecord):
-                    raise record
-                if not isinstance(record, dict):
-                    raise BadRecord(f"a JSON object is expected, got {type(record).__name__}; write one object "
-                                    "per line")
-                task = _CONVERT[fmt](record)
-                if task.id in seen:
-                    raise BadRecord(f"duplicate id {_short(task.id)} (first at {seen[task.id]}); give every "
-                                    "task its own id")
-            except BadRecord as exc:
-                problems.append(f"{where}: {exc}")
-                continue
-            seen[task.id] = where
-            tasks.append(task)
+    records = itertools.chain.from_iterable(
+        _parquet_records(shard) if shard.suffix in PARQUET_SUFFIXES else _jsonl_records(shard)
+        for shard in shard_paths(path))  # one id space across the shards
+    tasks, problems = read_valid(records, lambda record, _: _CONVERT[fmt](record), lambda t: t.id)
     if not tasks:
         shown = "\n  ".join(problems[:5]) or "(no records)"
         raise ValueError(f"--task-file {str(path)!r} (--task-format {fmt}) has no valid task; {len(problems)} bad "

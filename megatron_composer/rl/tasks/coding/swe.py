@@ -60,7 +60,7 @@ from typing import Optional
 
 from ...sandbox import Sandbox
 from ...task_envs import sandbox_kwargs_for
-from ..task_files import BadRecord, _jsonl_records, _short, task_requirements
+from ..task_files import BadRecord, _jsonl_records, _short, read_valid, task_requirements
 from .task import CACHE_DIRS, CACHE_SUFFIXES, CodingTask, Edit, solved_files
 from .verify import TestVerdict, _is_test_file, _read_regular, _tail, copy_workspace, write_over
 
@@ -464,22 +464,8 @@ def load_swe_tasks(path: str | Path) -> tuple[tuple[SweTask, ...], tuple[str, ..
     if not path.is_file():
         raise ValueError(f"--swe-task-file {str(path)!r} is not a file; give a JSONL file of SWE instances")
     folder = path.resolve().parent
-    tasks, problems, seen = [], [], {}
-    for where, record in _jsonl_records(path):
-        try:
-            if isinstance(record, BadRecord):
-                raise record
-            if not isinstance(record, dict):
-                raise BadRecord(f"a JSON object is expected, got {type(record).__name__}; write one instance per line")
-            task = _instance(record, folder, where)
-            if task.key in seen:
-                raise BadRecord(f"duplicate instance_id {_short(task.key[len(FAMILY) + 1:])} (first at "
-                                f"{seen[task.key]}); give every instance its own id")
-        except BadRecord as exc:
-            problems.append(f"{where}: {exc}")
-            continue
-        seen[task.key] = where
-        tasks.append(task)
+    tasks, problems = read_valid(_jsonl_records(path), lambda record, where: _instance(record, folder, where),
+                                 lambda task: task.key[len(FAMILY) + 1:], noun="instance", key_name="instance_id")
     if not tasks:
         shown = "\n  ".join(problems[:5]) or "(no instances)"
         raise ValueError(f"--swe-task-file {str(path)!r} has no valid instance; {len(problems)} bad instance(s), "
