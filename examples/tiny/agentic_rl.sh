@@ -11,7 +11,7 @@
 #    is measured before the first step, every 15 steps and at the end. Writes
 #    $OUT/agentic_rl_seed$SEED/reward_curve.png.
 # About 70 minutes on a 2-core CPU (trajectories ~8, SFT ~40, RL ~20). SEED=... varies the RL run;
-# SFT_ITERS_1/2/3 and RL_ITERS the lengths. The steps already done (data, SFT checkpoints) are skipped.
+# SFT_ITERS_1/2/3 and RL_ITERS the lengths (RL_ITERS=0 stops after SFT). The steps already done (data, SFT checkpoints) are skipped.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
@@ -55,6 +55,8 @@ sft agent_sft_pass1 "$DATA/train.jsonl" ${SFT_ITERS_1:-300} 2e-3 2e-4 "${FIRST[@
 sft agent_sft_pass2 "$DATA/train.jsonl" ${SFT_ITERS_2:-800} 3e-3 3e-4 --load "$OUT/agent_sft_pass1" --finetune
 sft agent_sft_model "$DATA/all.jsonl" ${SFT_ITERS_3:-1000} 2e-3 2e-4 --load "$OUT/agent_sft_pass2" --finetune
 
+# RL_ITERS=0: stop at the SFT checkpoint (the benchmarks/ scripts start from it)
+[ "${RL_ITERS:-30}" = 0 ] && { echo "SFT checkpoint: $OUT/agent_sft_model (RL_ITERS=0: no RL)"; exit 0; }
 $PY train_rl.py \
     --env agentic-coding --task-families write-file \
     --load "$OUT/agent_sft_model" \
