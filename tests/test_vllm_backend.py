@@ -3,7 +3,8 @@
 One server for the module (starting one takes 25-150 s on 2 cores), serving
 the `tiny-vllm` preset: greedy tokens and log-probs equal our engine's and
 transformers', sampled log-probs are those of the sampling temperature, n
-samples of one request are the singly seeded ones, weights pushed A -> B -> A
+samples of one request are the singly seeded ones, MTP drafting (--vllm-mtp) keeps
+the greedy tokens and reports its acceptance, weights pushed A -> B -> A
 give B's and then A's generations back, an RL step on vLLM's samples is the
 engine backend's step, and a killed server is a clear error. The server is
 killed by the last test.
@@ -351,6 +352,31 @@ def test_async_vllm_flags():
         check_router_replay(True, 2)
     check_router_replay(True, 0)
     check_router_replay(False, 2)
+
+
+def test_mtp_speculative_decoding_keeps_greedy_tokens_and_reports_acceptance(served, tmp_path):
+    """--vllm-mtp 1: a server drafting with the checkpoint's MTP layer (deepseek_mtp) generates greedily the
+    tokens our engine generates without drafts, and the step metrics carry the accepted share of the drafts
+    (vLLM's counters: drafted > 0, 0 <= acceptance <= 1)."""
+    from megatron_composer.rl.vllm_backend import VLLMBackend
+    from megatron_composer.rl.vllm_server import VLLMConfig
+
+    assert CFG.mtp_num_layers >= 1, "the tiny-vllm preset must carry an MTP layer for this test"
+    backend = VLLMBackend.launch(CFG, served.state, VLLMConfig(python=_vllm_python(), restarts=0, mtp=1),
+                                 str(tmp_path), max_model_len=MAX_LEN)
+    try:
+        prompts = _prompts()
+        theirs = backend.generate(prompts, GREEDY)
+        ours = served.ours(served.state, prompts)
+        assert [c.token_ids for c in theirs] == [c.token_ids for c in ours]
+        counts = backend.speculative_counts()
+        assert counts is not None, "the server exports no speculative-decoding counters: drafting is off"
+        accepted, drafted = counts
+        assert drafted > 0 and 0 <= accepted <= drafted
+        acceptance = backend.metrics()["mtp acceptance"]
+        assert acceptance == pytest.approx(accepted / drafted)
+    finally:
+        backend.close()
 
 
 def test_killed_server_is_a_clear_error(served):
