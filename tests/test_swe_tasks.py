@@ -225,3 +225,52 @@ def test_flags_select_the_swe_family():
         parse_rl_args(["--env", "agentic-coding", "--task-families", "fix-bug", "--swe-task-file", str(EMBEDDED)])
     env = AgenticCodingEnv(("swe", "fix-bug"), swe_task_file=str(EMBEDDED), count=4)
     assert [t.family for t in env.tasks()] == ["swe", "fix-bug", "swe", "fix-bug"]
+
+
+class _HeldOutBackend:
+    """Plays the expert's calls (`expert_steps`) in the episodes chosen to solve their task and finishes at once
+    in the others: greedy episodes (temperature 0) of the tasks in `greedy`, and sample j of task i where
+    (i, j) is in `sampled`. The episode of a call is told by its seed, `Agent.run`'s seed x 1000003 + calls."""
+
+    def __init__(self, tasks, greedy, sampled, k):
+        from megatron_composer.rl.rollout import sample_seed
+
+        self.tasks, self.greedy, self.sampled = tasks, set(greedy), set(sampled)
+        self.episode_of = {sample_seed(0, i, j, k) * 1_000_003 % 2 ** 63: (i, j)
+                           for i in range(len(tasks)) for j in range(k)}
+
+    def generate(self, prompts, params):
+        from megatron_composer.inference.params import Completion
+
+        (prompt,) = prompts
+        text, calls = TOK.decode(prompt), prompt.count(TOK.chat["assistant"]) - 1  # the turns already taken
+        i = next(i for i, t in enumerate(self.tasks) if t.instruction in text)
+        if params.temperature == 0:
+            solves = i in self.greedy
+        else:
+            solves = self.episode_of[(params.seed - calls) % 2 ** 63] in self.sampled
+        steps = expert_steps(self.tasks[i]) if solves else [("finish", {"message": "Nothing to fix."})]
+        ids = TOK.encode(format_tool_call(*steps[calls])) + [TOK.chat["end"]]
+        return [Completion(list(prompt), ids, [-0.5] * len(ids), [-0.5] * len(ids), None, [0] * len(ids), "stop")]
+
+
+def test_agentic_held_out_file_pass_at_1_and_pass_at_k_by_hand():
+    from megatron_composer.rl.config import RLConfig
+    from megatron_composer.rl.environments import build_environment, merge_evaluations
+
+    tasks = list(load_swe_tasks(str(EMBEDDED.resolve()))[0])  # the held-out file's instances, in file order
+    assert len(tasks) == 4
+    rl = RLConfig.from_flat(env="agentic-coding", eval_task_file=str(EMBEDDED), eval_pass_k=2, max_turns=8,
+                            max_new_tokens=4096, sandbox_timeout_s=20.0)
+    env = build_environment(rl, TOK, 16384, split="eval")
+    assert [t.key for t in env.episodes.tasks()] == [t.key for t in tasks]  # every instance, not a split's
+    # greedy: task 0 resolved (1 of 4); samples: task 0's first, task 2's second (2 of 4 tasks); task 3 never
+    backend = _HeldOutBackend(tasks, greedy={0}, sampled={(0, 0), (2, 1)}, k=2)
+    row = env.evaluate(backend, workers=4)
+    assert (row["eval pass@1"], row["eval pass@k"], row["eval tasks"], row["eval solved"]) == (0.25, 0.5, 4.0, 0.25)
+    halves = [env.evaluate(backend, workers=2, shard=(r, 2)) for r in range(2)]  # tasks 0, 2 | 1, 3
+    assert [(h["eval pass@1"], h["eval pass@k"]) for h in halves] == [(0.5, 1.0), (0.0, 0.0)]
+    merged = merge_evaluations(halves)
+    assert (merged["eval pass@1"], merged["eval pass@k"], merged["eval tasks"]) == (0.25, 0.5, 4.0)
+    train = build_environment(rl.replace(task_families="swe"), TOK, 16384)
+    assert train.evaluate(backend, workers=1).get("eval pass@k") is None  # --eval-tasks on families: greedy only

@@ -133,7 +133,9 @@ def test_flags_select_the_file_task():
         parse_rl_args(["--task", "complete-function", "--task-file", str(EXAMPLE_TASKS)])
     with pytest.raises(ValueError, match="--task-file is read by --task code-tests"):
         parse_rl_args(["--task", "code-tests"])
-    with pytest.raises(ValueError, match="--task-file and --eval-task-file hold single-turn tasks"):
+    with pytest.raises(ValueError, match="--task-file holds single-turn tasks"):
+        parse_rl_args(["--env", "agentic-coding", "--task-file", str(EXAMPLE_TASKS)])
+    with pytest.raises(ValueError, match="with --env agentic-coding must hold SWE instances .* no valid instance"):
         parse_rl_args(["--env", "agentic-coding", "--eval-task-file", str(EXAMPLE_TASKS)])
     with pytest.raises(ValueError, match="--eval-task-file is evaluated by the synchronous loop"):
         parse_rl_args(["--async-rl", "--eval-task-file", str(EXAMPLE_TASKS)])

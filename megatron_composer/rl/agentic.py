@@ -83,6 +83,7 @@ class AgenticCodingEnv:
         sandbox_kwargs: limits for every `Sandbox` of an episode (timeout_s, memory_mb, ...).
         workdir: where temporary workspaces go (default: the system's temp dir).
         swe_task_file: the instances of the swe family (default: its embedded set).
+        tasks: these tasks, in this order, in place of `families`' tasks of `split` (held-out files).
     """
 
     name = ENV_NAME
@@ -90,13 +91,13 @@ class AgenticCodingEnv:
     def __init__(self, families: Sequence[str] = ("write-file",), *, split: str = "train",
                  count: Optional[int] = None, tool_names: Sequence[str] = tuple(TOOLS),
                  sandbox_kwargs: Optional[dict] = None, workdir: Optional[str] = None,
-                 swe_task_file: Optional[str] = None):
+                 swe_task_file: Optional[str] = None, tasks: Optional[Sequence[CodingTask]] = None):
         self.families, self.split, self.count = tuple(families), split, count
         self.swe_task_file = swe_task_file or None
         self.tool_names = tuple(tool_names)
         self.sandbox_kwargs = dict(sandbox_kwargs or {})
         self.workdir = workdir
-        self._tasks: Optional[list[CodingTask]] = None
+        self._tasks: Optional[list[CodingTask]] = None if tasks is None else list(tasks)[:count]
         self.lost_episodes = 0  # episodes that raised, over this object's life (`episodes`)
         self._lost_lock = threading.Lock()
 

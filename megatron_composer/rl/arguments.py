@@ -59,9 +59,10 @@ def build_rl_parser():
     g.add_argument("--task-format", choices=("jsonl", "humaneval", "mbpp"), default=d.task_format,
                    help="the records' fields: jsonl (id, prompt, tests, entry_point), humaneval, mbpp")
     g.add_argument("--eval-task-file", default=d.eval_task_file,
-                   help="held-out code tasks (a file or directory in --task-format), evaluated before the first "
-                        "step, every --eval-interval steps and at the end: pass@1 greedy, pass@k of --eval-pass-k "
-                        "samples (--eval-tasks N: the first N)")
+                   help="held-out tasks, evaluated before the first step, every --eval-interval steps and at the "
+                        "end: pass@1 greedy, pass@k of --eval-pass-k samples (--eval-tasks N: the first N); "
+                        "single-turn: code tasks (a file or directory in --task-format), --env agentic-coding: "
+                        "SWE instances (a JSONL file in the --swe-task-file format)")
     g.add_argument("--eval-pass-k", type=int, default=d.eval_pass_k,
                    help="samples per held-out task for pass@k at --temperature (0: pass@1 only)")
     g.add_argument("--group-size", type=int, default=d.group_size, help="samples per prompt")

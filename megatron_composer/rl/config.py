@@ -139,7 +139,7 @@ class EnvironmentConfig:
     task: str = "complete-function"
     task_file: str = ""  # --task code-tests: a JSONL/parquet file or a directory of shards (tasks.task_files)
     task_format: str = "jsonl"  # jsonl | humaneval | mbpp
-    eval_task_file: str = ""  # held-out code tasks (same format) for pass@1 / pass@k at --eval-interval
+    eval_task_file: str = ""  # held-out tasks (single-turn: code tasks, agentic: SWE instances) for pass@1 / pass@k at --eval-interval
     task_families: str = "write-file"
     swe_task_file: str = ""  # the swe family's SWE-bench style instances (JSONL; tasks.coding.swe); "": embedded
     max_turns: int = 6

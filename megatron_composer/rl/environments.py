@@ -19,6 +19,11 @@ only: it is logged, run again once, and its failed runs are the step's
 `lost episodes` metric (per trajectory); a group whose episode raises twice
 fails whole (the asynchronous driver launches it again, counted in `groups
 failed`). A held-out evaluation scores the episodes that completed.
+
+`--eval-task-file` is the held-out set of either environment: code tasks in
+`--task-format` for single-turn, SWE instances (the `--swe-task-file`
+format) for agentic-coding; both report "eval pass@1" (greedy) and "eval
+pass@k" (`--eval-pass-k` samples at `--temperature`).
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ import concurrent.futures
 import dataclasses
 import math
 import random
+from pathlib import Path
 from typing import Optional
 
 from .batches import RolloutSample
@@ -207,9 +213,19 @@ class AgenticEnvironment(Environment):
     def check(cls, rl) -> None:
         from .tasks.coding import FAMILIES
 
-        if rl.environment.task_file or rl.environment.eval_task_file:
-            raise ValueError(f"--task-file and --eval-task-file hold single-turn tasks; --env {cls.name} reads "
-                             "neither; drop them, or use the single-turn environment")
+        from .tasks.coding import swe
+
+        if rl.environment.task_file:
+            raise ValueError(f"--task-file holds single-turn tasks; --env {cls.name} trains on --task-families "
+                             "(SWE instances: --task-families swe --swe-task-file PATH); drop it, or use the "
+                             "single-turn environment")
+        if rl.environment.eval_task_file:  # held-out SWE instances
+            try:
+                swe.load_swe_tasks(str(Path(rl.environment.eval_task_file).resolve()))
+            except ValueError as exc:
+                raise ValueError(f"--eval-task-file {rl.environment.eval_task_file!r} with --env {cls.name} must hold "
+                                 f"SWE instances (the --swe-task-file format; single-turn code tasks go with "
+                                 f"--env single-turn): {exc}") from None
         unknown = [f for f in rl.environment.families if f not in FAMILIES]
         if unknown or not rl.environment.families:
             raise ValueError(f"--task-families {rl.environment.task_families!r}: unknown family "
@@ -223,10 +239,14 @@ class AgenticEnvironment(Environment):
         super().__init__(rl, tokenizer, seq_length, **kwargs)
         from .agent import Agent, system_prompt
         from .agentic import AgenticCodingEnv
+        from .tasks.coding import swe
 
-        self.episodes = AgenticCodingEnv(rl.environment.families, split=self.split, count=self.count,
-                                         sandbox_kwargs={"timeout_s": rl.environment.sandbox_timeout_s},
-                                         swe_task_file=rl.environment.swe_task_file or None)
+        # held out with --eval-task-file: that file's SWE instances, all of them (the first --eval-tasks)
+        self.held_out_file = rl.environment.eval_task_file if self.split == "eval" else ""
+        held_out = swe.generate(self.held_out_file) if self.held_out_file else None
+        self.episodes = AgenticCodingEnv(("swe",) if held_out else rl.environment.families, split=self.split,
+                                         count=self.count, sandbox_kwargs={"timeout_s": rl.environment.sandbox_timeout_s},
+                                         swe_task_file=rl.environment.swe_task_file or None, tasks=held_out)
         probe = Agent(None, tokenizer, self.agent_config(routed_experts=False))
         self.pool = [t for t in self.episodes.tasks() if len(probe.segment_prompt(
             system_prompt(self.episodes.tool_names), t.instruction, None)) <= self._room()]
@@ -269,7 +289,13 @@ class AgenticEnvironment(Environment):
                  seed: int = 0):
         """Episodes of tasks `rank::world` of `shard` (episode seed = task index + seed x 1000003; greedy
         unless `temperature`): `agentic.summarize`'s row prefixed "eval " ("eval solved", "eval correctness",
-        "eval turns", ...)."""
+        "eval turns", ...).
+
+        With `--eval-task-file` (held-out SWE instances) also "eval pass@1", the fraction of tasks whose
+        greedy episode resolved them, and "eval pass@k": k = `--eval-pass-k` episodes per task at
+        `--temperature`, episode j of task i seeded `sample_seed(0, i, j, k)` (the same at every evaluation),
+        the fraction of tasks one of them resolves (Chen et al.'s unbiased estimator at n = k). An episode
+        that raised counts as unsolved; "eval tasks" is then the number of tasks of the shard."""
         from .agent import Agent
         from .agentic import summarize
 
@@ -278,7 +304,21 @@ class AgenticEnvironment(Environment):
         mine = list(range(shard[0], len(tasks), shard[1]))
         results = self.episodes.episodes(agent, [(tasks[i], i + seed * 1_000_003) for i in mine], max_workers=workers)
         row = summarize([r for r in results if r is not None], self.tokenizer)  # "tasks": those scored
-        return {f"eval {k}": float(v) if isinstance(v, (int, float)) else v for k, v in row.items()}
+        row = {f"eval {k}": float(v) if isinstance(v, (int, float)) else v for k, v in row.items()}
+        if not self.held_out_file:
+            return row
+
+        def solved(result) -> bool:
+            return result is not None and bool(result.verdict["all_pass"])
+
+        n, k = max(len(mine), 1), self.rl.rollout.eval_pass_k
+        row.update({"eval pass@1": sum(map(solved, results)) / n, "eval tasks": float(len(mine))})
+        if k:
+            sampler = Agent(backend, self.tokenizer, self.agent_config(routed_experts=False))
+            jobs = [(tasks[i], sample_seed(0, i, j, k)) for i in mine for j in range(k)]
+            sampled = self.episodes.episodes(sampler, jobs, max_workers=workers)
+            row["eval pass@k"] = sum(any(map(solved, sampled[t * k:(t + 1) * k])) for t in range(len(mine))) / n
+        return row
 
     def describe(self):
         from .tasks.coding import swe
