@@ -19,6 +19,17 @@ What the command sees:
   `python3 -m pytest`. Nothing else of the host: no /work, /root, /home or host
   /tmp. `site_packages=` mounts another directory there instead (a task's own
   environment, `rl/task_envs.py`), and the host's is then not mounted at all.
+- `rootfs=` (a task's own root filesystem, a directory): its `/usr`, `/bin`,
+  `/sbin`, `/lib*` and `/opt`, read-only, in place of the host's, and its
+  `/etc/ld.so.cache`, `/etc/alternatives` and `/etc/localtime`; the synthetic
+  `/etc` files, `/proc`, `/dev`, `/tmp` and `/workspace` as above; no
+  site-packages of the host and no PYTHONPATH (its own `python3` finds its
+  own packages). It must hold `/bin/sh` and util-linux's `prlimit` (the
+  limits below are set inside), and `python3` with pytest for the verifiers:
+  a `python:3.12-slim` image exported with `docker export`, with pytest
+  installed, is one. A rootfs that cannot run `true` is refused at
+  construction with what it printed; a link in its `/etc` that leads out of
+  it is not bound.
 - Environment: PATH, HOME=/tmp, TMPDIR=/tmp, LANG=C.UTF-8,
   PYTHONDONTWRITEBYTECODE=1, PYTHONPATH, and PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
   (the bound site-packages is there for pytest alone; scanning its plugins
@@ -73,7 +84,7 @@ bounded per file (RLIMIT_FSIZE), not in total; CPU time is per process; one
 run at a time per Sandbox (runs of one instance are serialized; two instances
 must not share a workspace); the host side must treat the workspace as hostile
 afterwards (symlinks, hard links inside it, huge trees); /proc/self/mountinfo
-shows the host path names (not contents) of the workspace and site-packages;
+shows the host path names (not contents) of the workspace, site-packages and rootfs;
 the sandbox's init shows PWD=/ in its environment; RLIMIT_NPROC is per sandbox
 only on Linux >= 5.14 (before, per host uid across concurrent sandboxes);
 `network=True` shares the host network, loopback and abstract sockets included.
@@ -117,17 +128,22 @@ def _readable(fd: int, timeout_s: float) -> bool:
 _INFO_FD = "INFO_FD"  # placeholder in the argv for the pipe that receives bwrap's JSON (its child's pid)
 _READ_CHUNK = 1 << 16
 
-# The root caller's staging step; $1 workspace, $2 site-packages (or ""), then setpriv's argv.
+# The root caller's staging step; $1 workspace, $2 site-packages, $3 rootfs (or ""), then setpriv's argv.
 _STAGE_SCRIPT = r"""set -e
 mount -t tmpfs -o mode=0755,size=64k megatron-sandbox /sys
-mkdir /sys/workspace /sys/site-packages
+mkdir /sys/workspace /sys/site-packages /sys/rootfs
 mount --bind "$1" /sys/workspace
 if [ -n "$2" ]; then mount --bind "$2" /sys/site-packages; fi
-shift 2
+if [ -n "$3" ]; then mount --rbind "$3" /sys/rootfs; fi
+shift 3
 exec "$@"
 """
 _STAGED_WORKSPACE = "/sys/workspace"
 _STAGED_SITE_PACKAGES = "/sys/site-packages"
+_STAGED_ROOTFS = "/sys/rootfs"
+# the top-level entries of the system that are bound read-only (from the host's root or a task's rootfs)
+_SYSTEM_TOPS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
+_SYSTEM_ETC = ("/etc/ld.so.cache", "/etc/alternatives", "/etc/localtime")
 
 
 class SandboxUnavailable(RuntimeError):
@@ -146,11 +162,13 @@ class SandboxResult:
 
 _probe_lock = threading.Lock()
 _probe_cache: dict[tuple[str, int], str | None] = {}  # (bwrap, euid) -> None if usable else the error
+_rootfs_cache: dict[tuple[str, int], str | None] = {}  # (rootfs, euid) -> None if it runs `true` else the error
 
 
 class Sandbox:
     def __init__(self, workspace, *, timeout_s: float = 10.0, memory_mb: int = 512, max_processes: int = 64,
-                 max_output_bytes: int = 65536, network: bool = False, site_packages: str | None = None):
+                 max_output_bytes: int = 65536, network: bool = False, site_packages: str | None = None,
+                 rootfs: str | None = None):
         path = os.path.realpath(os.fspath(workspace))
         if not os.path.isdir(path):
             raise ValueError(f"workspace {os.fspath(workspace)!r} is not an existing directory; create it first "
@@ -166,7 +184,16 @@ class Sandbox:
             if not os.path.isdir(site_packages):
                 raise ValueError(f"site_packages={site_packages!r} is not an existing directory; pass a "
                                  "site-packages from rl/task_envs.task_env_site_packages or None for the host's")
+        if rootfs is not None:
+            if site_packages is not None:
+                raise ValueError("site_packages= and rootfs= exclude each other: a rootfs brings its own python3 "
+                                 "and packages; install the task's requirements into the rootfs")
+            rootfs = os.path.realpath(os.fspath(rootfs))
+            if not os.path.isdir(os.path.join(rootfs, "usr")):
+                raise ValueError(f"rootfs={rootfs!r} is not a root filesystem (no usr/ directory in it); pass the "
+                                 "directory an image was extracted to, e.g. by `docker export ... | tar -x -C DIR`")
         self.site_packages = site_packages
+        self.rootfs = rootfs
         self.workspace = path
         self.timeout_s = float(timeout_s)
         self.memory_mb = memory_mb
@@ -178,6 +205,8 @@ class Sandbox:
         self._as_root = os.geteuid() == 0
         self._lock = threading.Lock()
         ensure_available()
+        if rootfs is not None:
+            _check_rootfs(rootfs)
 
     def run(self, cmd: str | list[str], *, timeout_s: float | None = None,
             stdin: str | bytes | None = None) -> SandboxResult:
@@ -192,7 +221,7 @@ class Sandbox:
                 _chown_tree(self.workspace, HOST_UID, HOST_UID)
             try:
                 return _execute(_sandbox_argv(self.workspace, self.network, self.memory_mb, self.max_processes,
-                                              timeout, argv, self.site_packages), stdin, timeout,
+                                              timeout, argv, self.site_packages, self.rootfs), stdin, timeout,
                                 self.max_output_bytes)
             finally:
                 if self._as_root:
@@ -200,20 +229,22 @@ class Sandbox:
 
 
 def _sandbox_argv(workspace: str, network: bool, memory_mb: int, max_processes: int, timeout: float,
-                  command: list[str], site_packages: str | None = None) -> list[str]:
+                  command: list[str], site_packages: str | None = None, rootfs: str | None = None) -> list[str]:
     """The whole argv: bwrap, or for a root caller the staging, setpriv and then bwrap; then prlimit."""
-    site = site_packages or _site_packages()
+    site = None if rootfs else site_packages or _site_packages()
     limits = _limits_argv(memory_mb, max_processes, timeout)
     if os.geteuid() != 0:
-        return _bwrap_argv(workspace, site, network) + limits + command
+        return _bwrap_argv(workspace, site, network, rootfs) + limits + command
     # --pdeathsig: bwrap (which setpriv becomes) is killed with the process that started it, so a worker
     # killed mid-command leaves no sandbox behind (bwrap's --die-with-parent guards only its own child)
     setpriv = ["setpriv", f"--reuid={HOST_UID}", f"--regid={HOST_UID}", "--clear-groups", "--inh-caps=-all",
                "--no-new-privs", "--pdeathsig", "KILL", "--"]
     staged_site = _STAGED_SITE_PACKAGES if site else None
     return (["unshare", "--mount", "--propagation", "private", "--", SHELL, "-c", _STAGE_SCRIPT, "stage",
-             workspace, site or ""] + setpriv
-            + _bwrap_argv(_STAGED_WORKSPACE, staged_site, network) + limits + command)
+             workspace, site or "", rootfs or ""] + setpriv
+            + _bwrap_argv(_STAGED_WORKSPACE, staged_site, network, rootfs,
+                          staged_rootfs=_STAGED_ROOTFS if rootfs else None)
+            + limits + command)
 
 
 def ensure_available() -> None:
@@ -248,6 +279,24 @@ def _probe() -> str | None:
     return f"bubblewrap failed to start a trivial sandbox: {said}"
 
 
+def _check_rootfs(rootfs: str) -> None:
+    """ValueError unless `true` runs in a sandbox on `rootfs` (probed once per path and euid)."""
+    key = (rootfs, os.geteuid())
+    with _probe_lock:
+        if key not in _rootfs_cache:
+            with tempfile.TemporaryDirectory(prefix="sandbox-probe-") as workspace:
+                if os.geteuid() == 0:
+                    os.chown(workspace, HOST_UID, HOST_UID)
+                result = _execute(_sandbox_argv(workspace, False, 256, 16, 10.0, ["true"], rootfs=rootfs), None,
+                                  10.0, 4096)
+            said = result.stderr.strip() or f"exit code {result.exit_code}"
+            _rootfs_cache[key] = None if result.exit_code == 0 else said
+        error = _rootfs_cache[key]
+    if error is not None:
+        raise ValueError(f"rootfs={rootfs!r} cannot run a command in the sandbox ({error[-300:]}); it needs /bin/sh "
+                         "and util-linux's prlimit (and python3 with pytest for the verifiers), readable by all users")
+
+
 def _site_packages() -> str | None:
     spec = importlib.util.find_spec("pytest")
     if spec is None or spec.origin is None:
@@ -255,7 +304,10 @@ def _site_packages() -> str | None:
     return os.path.dirname(os.path.dirname(os.path.realpath(spec.origin)))
 
 
-def _bwrap_argv(workspace: str, site_packages: str | None, network: bool) -> list[str]:
+def _bwrap_argv(workspace: str, site_packages: str | None, network: bool, rootfs: str | None = None, *,
+                staged_rootfs: str | None = None) -> list[str]:
+    """bwrap's argv up to `--`. `rootfs`: the task's root filesystem on the host (its layout is read
+    there), bound from `staged_rootfs` when a root caller staged it."""
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
            "PYTHONDONTWRITEBYTECODE": "1", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
     if site_packages:
@@ -267,21 +319,23 @@ def _bwrap_argv(workspace: str, site_packages: str | None, network: bool) -> lis
              "--die-with-parent", "--new-session", "--cap-drop", "ALL", "--clearenv"]
     for name, value in env.items():
         argv += ["--setenv", name, value]
-    argv += ["--ro-bind", "/usr", "/usr"]
-    for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
-        host = "/" + top
-        if os.path.islink(host):
-            argv += ["--symlink", os.readlink(host), host]
-        elif os.path.isdir(host):
-            argv += ["--ro-bind", host, host]
+    root, source = rootfs or "/", staged_rootfs or rootfs or "/"
+    for top in _SYSTEM_TOPS + (("opt",) if rootfs else ()):
+        here = os.path.join(root, top)
+        if os.path.islink(here):
+            argv += ["--symlink", os.readlink(here), "/" + top]
+        elif os.path.isdir(here):
+            argv += ["--ro-bind", os.path.join(source, top), "/" + top]
     tmp_bytes = str(TMP_SIZE_MB << 20)
     argv += ["--proc", "/proc", "--dev", "/dev", "--size", tmp_bytes, "--tmpfs", "/dev/shm",
              "--size", tmp_bytes, "--tmpfs", "/tmp"]
-    etc = ["/etc/ld.so.cache", "/etc/alternatives", "/etc/localtime"]
+    etc = list(_SYSTEM_ETC)
     if network:
         etc += ["/etc/resolv.conf", "/etc/nsswitch.conf", "/etc/gai.conf", "/etc/ssl", "/etc/ca-certificates"]
-    for path in etc:
-        argv += ["--ro-bind-try", path, path]
+    for path in etc:  # a rootfs's own, where it has one inside it: a link there must not lead to the host's files
+        if rootfs and not os.path.realpath(os.path.join(root, path.lstrip("/"))).startswith(root + os.sep):
+            continue
+        argv += ["--ro-bind-try", os.path.join(source, path.lstrip("/")), path]
     for path, text in _synthetic_etc().items():
         argv += ["--perms", "0644", "--ro-bind-data", text, path]  # the text is swapped for a pipe fd in _execute
     argv += ["--bind", workspace, "/workspace"]

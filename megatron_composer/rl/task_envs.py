@@ -123,10 +123,13 @@ def task_env_site_packages(requirements: Sequence[str], *, pip_args: Optional[Se
 
 
 def sandbox_kwargs_for(task, sandbox_kwargs: Optional[dict] = None) -> dict:
-    """`sandbox_kwargs` plus `site_packages` of `task`'s environment when it names requirements (built now)."""
+    """`sandbox_kwargs` plus `site_packages` of `task`'s environment when it names requirements (built now),
+    or its `rootfs` when it names one."""
     kwargs = dict(sandbox_kwargs or {})
-    requirements = getattr(task, "requirements", ())
-    if requirements and kwargs.get("site_packages") is None:
+    requirements, rootfs = getattr(task, "requirements", ()), getattr(task, "rootfs", "")
+    if rootfs and kwargs.get("rootfs") is None:
+        kwargs["rootfs"] = rootfs
+    elif requirements and kwargs.get("site_packages") is None:
         kwargs["site_packages"] = task_env_site_packages(requirements)
     return kwargs
 

@@ -66,8 +66,8 @@ def run_code_tests(task: CodeTask, program: str, timeout_s: float) -> tuple[int,
     workspace = tempfile.mkdtemp(prefix="code_tests_")
     try:
         site = task_env_site_packages(task.requirements) if task.requirements else None
-        result = Sandbox(workspace, timeout_s=task.timeout_s or timeout_s, site_packages=site).run(
-            ["python3", "-c", HARNESS], stdin=spec)
+        result = Sandbox(workspace, timeout_s=task.timeout_s or timeout_s, site_packages=site,
+                         rootfs=task.rootfs or None).run(["python3", "-c", HARNESS], stdin=spec)
     finally:
         shutil.rmtree(workspace, ignore_errors=True)
     verdicts: dict[int, bool] = {}

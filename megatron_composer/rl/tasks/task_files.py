@@ -8,12 +8,14 @@ Every record becomes one `CodeTask`; the formats map their fields so:
 
     jsonl      {"id": str, "prompt": str, "tests": str, "entry_point": str,
                 "setup": str (optional), "timeout_s": float (optional),
-                "requirements": [str] (optional)}
+                "requirements": [str] (optional), "rootfs": str (optional)}
                the prompt is the user turn as written; requirements are
                PEP 508 strings ("sympy==1.12") installed into a cached
                per-task environment that the sandbox mounts instead of the
-               host's site-packages (rl/task_envs.py); "rootfs" (a per-task
-               root filesystem) is not supported yet and refused
+               host's site-packages (rl/task_envs.py); rootfs is the
+               absolute path of a root filesystem (a directory) whose
+               system and python3 the sandbox runs instead of the host's
+               (`Sandbox(rootfs=)`); a task names one or the other
     humaneval  task_id -> id; prompt (a signature and docstring) -> shown in a
                ```python fence and run before the completion (`code_prefix`),
                which may be the body alone; test (`def check(candidate)`) ->
@@ -41,6 +43,7 @@ import dataclasses
 import itertools
 import json
 import math
+import os
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional, TypeVar
 
@@ -67,6 +70,7 @@ class CodeTask:
     code_prefix: str = ""  # code the completion continues (HumanEval's prompt)
     reference: Optional[str] = None  # a known solution, where the format has one
     requirements: tuple[str, ...] = ()  # its own environment's packages (rl/task_envs.py); () = the host's
+    rootfs: str = ""  # its own root filesystem (`Sandbox(rootfs=)`); "" = the host's system
 
 
 class BadRecord(ValueError):
@@ -128,14 +132,30 @@ def _timeout(record: dict) -> Optional[float]:
 
 
 def task_requirements(record: dict) -> tuple[str, ...]:
-    """The record's validated "requirements" (() without them); a "rootfs" is refused (not supported yet)."""
-    if record.get("rootfs") is not None:
-        raise BadRecord(f"'rootfs' {_short(record['rootfs'])}: per-task root filesystems are not supported yet; "
-                        "drop it and name the Python packages the task needs in \"requirements\"")
+    """The record's validated "requirements" (() without them)."""
     try:
         return parse_requirements(record.get("requirements"))
     except ValueError as exc:
         raise BadRecord(str(exc)) from None
+
+
+def task_rootfs(record: dict) -> str:
+    """The record's validated "rootfs", resolved ("" without one): an absolute path to a directory holding usr/,
+    in a record without "requirements" (a rootfs brings its own packages)."""
+    value = record.get("rootfs")
+    if value is None:
+        return ""
+    if not isinstance(value, str) or not value.startswith("/"):
+        raise BadRecord(f"'rootfs' {_short(value)} must be the absolute path of a root filesystem directory, "
+                        "e.g. \"/srv/rootfs/py312\"")
+    if record.get("requirements"):
+        raise BadRecord("'rootfs' and 'requirements' exclude each other: install the packages into the rootfs "
+                        "and drop 'requirements'")
+    path = os.path.realpath(value)
+    if not os.path.isdir(os.path.join(path, "usr")):
+        raise BadRecord(f"'rootfs' {_short(value)} is not a root filesystem (no usr/ directory in it); extract an "
+                        "image there, e.g. `docker export $(docker create python:3.12-slim) | tar -x -C DIR`")
+    return path
 
 
 def _from_jsonl(record: dict) -> CodeTask:
@@ -143,7 +163,7 @@ def _from_jsonl(record: dict) -> CodeTask:
                     tests=_tests(_text(record, "tests", "jsonl"), "tests"),
                     entry_point=_identifier(_text(record, "entry_point", "jsonl"), "entry_point"),
                     setup=_text(record, "setup", "jsonl", optional=True), timeout_s=_timeout(record),
-                    requirements=task_requirements(record))
+                    requirements=task_requirements(record), rootfs=task_rootfs(record))
 
 
 def _from_humaneval(record: dict) -> CodeTask:

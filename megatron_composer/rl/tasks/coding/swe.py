@@ -14,9 +14,11 @@ One instance a line, in the SWE-bench / SWE-Gym fields:
      "PASS_TO_PASS": [str],    node ids that pass before and must still pass
      "test_cmd": str,          optional, default "pytest": pytest with extra options
      "patch": str,             optional: the reference fix as a unified diff (scripted trajectories, tests)
-     "requirements": [str]}    optional: PEP 508 strings ("attrs==23.2.0"); the episode's and the verifier's
+     "requirements": [str],    optional: PEP 508 strings ("attrs==23.2.0"); the episode's and the verifier's
                                sandboxes mount a cached per-task environment of them instead of the host's
-                               site-packages (rl/task_envs.py); "rootfs" is not supported yet and refused
+                               site-packages (rl/task_envs.py)
+     "rootfs": str}            optional, instead of requirements: the absolute path of a root filesystem whose
+                               system, python3 and pytest both sandboxes run instead of the host's
 
 (The two lists may also be JSON-encoded strings, as some SWE-bench exports
 store them.) The workspace is the repository's files (without `.git`); the
@@ -60,7 +62,7 @@ from typing import Optional
 
 from ...sandbox import Sandbox
 from ...task_envs import sandbox_kwargs_for
-from ..task_files import BadRecord, _jsonl_records, _short, read_valid, task_requirements
+from ..task_files import BadRecord, _jsonl_records, _short, read_valid, task_requirements, task_rootfs
 from .task import CACHE_DIRS, CACHE_SUFFIXES, CodingTask, Edit, solved_files
 from .verify import TestVerdict, _is_test_file, _read_regular, _tail, copy_workspace, write_over
 
@@ -117,6 +119,7 @@ class SweTask(CodingTask):
     test_args: tuple[str, ...] = ()  # test_cmd's options after "pytest"
     origin: str = ""  # path:line of its instance
     requirements: tuple[str, ...] = ()  # its own environment's packages (rl/task_envs.py); () = the host's
+    rootfs: str = ""  # its own root filesystem (`Sandbox(rootfs=)`); "" = the host's system
 
 
 @dataclasses.dataclass(frozen=True)
@@ -447,7 +450,7 @@ def _instance(record: dict, folder: Path, where: str) -> SweTask:
     task = SweTask(key=f"{FAMILY}/{iid}", family=FAMILY, instruction=statement, files=files, tests=tests,
                    solution=_patch_edits(patch, files) if patch else (), reads=(), test_timeout_s=60.0,
                    fail_to_pass=fail_to_pass, pass_to_pass=pass_to_pass, test_args=_test_args(record), origin=where,
-                   requirements=requirements)
+                   requirements=requirements, rootfs=task_rootfs(record))
     if task.solution:
         try:
             solved_files(task)
