@@ -128,7 +128,8 @@ def test_requirement_lists_are_checked():
             parse_requirements(bad)
 
 
-def test_task_files_read_requirements_and_refuse_a_bad_rootfs(tmp_path):
+def test_task_files_read_requirements_and_refuse_a_bad_rootfs(tmp_path, monkeypatch):
+    monkeypatch.delenv("MC_TASK_ROOTFS_DIR", raising=False)
     base = {"prompt": "p", "tests": "def check(candidate):\n    assert candidate() == 1\n", "entry_point": "f"}
     lines = [dict(base, id="a", requirements=["sympy==1.12"]), dict(base, id="b"),
              dict(base, id="c", requirements=["-e ."]), dict(base, id="d", rootfs="/srv/root")]
@@ -137,7 +138,7 @@ def test_task_files_read_requirements_and_refuse_a_bad_rootfs(tmp_path):
     tasks, problems = load_code_tasks(path, "jsonl")
     assert [(t.id, t.requirements) for t in tasks] == [("a", ("sympy==1.12",)), ("b", ())]
     assert len(problems) == 2 and "'requirements'" in problems[0] and "rootfs" in problems[1]
-    assert "is not a root filesystem (no usr/ directory in it)" in problems[1]  # /srv/root does not exist here
+    assert "only inside the directory $MC_TASK_ROOTFS_DIR names" in problems[1]  # not set here
 
 
 def test_hostile_battery_holds_with_a_task_env_mounted(task_site, sandbox_ok, tmp_path):
@@ -162,6 +163,7 @@ sandbox.Sandbox.__init__ = __init__
 @pytest.fixture
 def offline_env_vars(task_site, wheelhouse, env_cache, monkeypatch):
     """The loaders' tasks build through the environment variables; the fixture's environment is the one built."""
+    monkeypatch.delenv("MC_TASK_ROOTFS_DIR", raising=False)
     monkeypatch.setenv("MC_TASK_ENV_CACHE", str(env_cache))
     monkeypatch.setenv("MC_TASK_ENV_PIP_ARGS", f"--no-index --find-links {wheelhouse}")
 
@@ -197,7 +199,7 @@ def test_swe_instance_with_requirements_verifies_in_its_env(offline_env_vars, sa
     (tmp_path / "swe.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     tasks, problems = load_swe_tasks(tmp_path / "swe.jsonl")
     assert [(t.key, t.requirements) for t in tasks] == [("swe/dep-1", ("mc_taskdep==1.2.0",)), ("swe/dep-2", ())]
-    assert len(problems) == 2 and "'requirements'" in problems[0] and "is not a root filesystem" in problems[1]
+    assert len(problems) == 2 and "'requirements'" in problems[0] and "MC_TASK_ROOTFS_DIR" in problems[1]
     verdicts = []
     for task in tasks:
         workspace = tmp_path / task.key.replace("/", "-")

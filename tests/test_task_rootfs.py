@@ -82,6 +82,34 @@ def test_a_link_in_the_rootfs_etc_does_not_reach_the_host(rootfs, tmp_path):
     assert "host secret" not in result.stdout and result.stdout.endswith("ran\n"), result
 
 
+def test_a_relative_link_in_the_rootfs_etc_that_climbs_out_is_not_followed(rootfs, tmp_path):
+    """A `..` link that resolves inside the rootfs on the host climbs elsewhere from where bwrap sees a root
+    caller's staged rootfs (/sys/rootfs): the rootfs R = /tmp/B/tmp/Z, its etc/localtime ->
+    ../../../tmp/Z/etc/real is R/etc/real here, but /tmp/Z/etc/real (a decoy) from /sys/rootfs/etc. The
+    resolved path is what gets bound."""
+    outer = Path(os.path.realpath(tempfile.mkdtemp(prefix="rootfs-outer-", dir="/tmp")))
+    decoy = Path(os.path.realpath(tempfile.mkdtemp(prefix="rootfs-decoy-", dir="/tmp")))
+    try:
+        for d in (outer, decoy):
+            os.chmod(d, 0o755)
+        (decoy / "etc").mkdir(mode=0o755)
+        (decoy / "etc" / "real").write_text("a host file\n")
+        linked = outer / "tmp" / decoy.name
+        linked.parent.mkdir(mode=0o755)
+        subprocess.run(["cp", "-al", rootfs, str(linked)], check=True)
+        (linked / "etc" / "real").write_text("inside the rootfs\n")
+        for f in (decoy / "etc" / "real", linked / "etc" / "real"):
+            os.chmod(f, 0o644)
+        (linked / "etc" / "localtime").symlink_to(f"../../../tmp/{decoy.name}/etc/real")
+        assert os.path.realpath(linked / "etc" / "localtime") == str(linked / "etc" / "real")
+        (tmp_path / "ws").mkdir()
+        result = Sandbox(tmp_path / "ws", rootfs=str(linked)).run("cat /etc/localtime")
+    finally:
+        shutil.rmtree(outer)
+        shutil.rmtree(decoy)
+    assert result.stdout == "inside the rootfs\n", result
+
+
 def test_a_bad_rootfs_is_refused_naming_it(rootfs, tmp_path):
     (tmp_path / "ws").mkdir()
     with pytest.raises(ValueError, match="no usr/ directory"):
@@ -92,26 +120,47 @@ def test_a_bad_rootfs_is_refused_naming_it(rootfs, tmp_path):
         Sandbox(tmp_path / "ws", rootfs=empty)
     with pytest.raises(ValueError, match="site_packages= and rootfs= exclude each other"):
         Sandbox(tmp_path / "ws", rootfs=rootfs, site_packages=str(tmp_path))
+    with pytest.raises(ValueError, match="rootfs='/' is the host's own root"):
+        Sandbox(tmp_path / "ws", rootfs="/proc/self/root")
+    fake = tmp_path / "fake"  # a prlimit that sets nothing: the limits would be off
+    subprocess.run(["cp", "-al", rootfs, str(fake)], check=True)
+    os.unlink(fake / "usr" / "bin" / "prlimit")
+    (fake / "usr" / "bin" / "prlimit").write_text('#!/bin/sh\nwhile [ "${1#-}" != "$1" ]; do shift; done\nexec "$@"\n')
+    os.chmod(fake / "usr" / "bin" / "prlimit", 0o755)
+    with pytest.raises(ValueError, match="its prlimit did not set the limits"):
+        Sandbox(tmp_path / "ws", rootfs=fake)
 
 
-def test_task_records_name_a_rootfs_and_are_scored_on_it(rootfs, tmp_path):
+def test_task_records_name_a_rootfs_and_are_scored_on_it(rootfs, tmp_path, monkeypatch):
     from megatron_composer.rl.tasks.code_tests import run_code_tests
+
+    monkeypatch.setenv("MC_TASK_ROOTFS_DIR", str(Path(rootfs).parent))  # the operator allows its folder
 
     tests = (f"def check(candidate):\n    assert candidate() == 2\n"
              f"    assert open('/{MARKER}').read() == {MARKER_TEXT!r}\n")  # passes on the rootfs only
     base = {"prompt": "p", "tests": tests, "entry_point": "f"}
     lines = [dict(base, id="on-rootfs", rootfs=rootfs), dict(base, id="host"),
-             dict(base, id="relative", rootfs="root"), dict(base, id="both", rootfs=rootfs, requirements=["attrs"])]
+             dict(base, id="relative", rootfs="root"), dict(base, id="both", rootfs=rootfs, requirements=["attrs"]),
+             dict(base, id="host-root", rootfs="/"), dict(base, id="escape", rootfs=f"{rootfs}/../../..")]
     path = tmp_path / "tasks.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in lines))
     tasks, problems = load_code_tasks(path, "jsonl")
     assert [(t.id, t.rootfs) for t in tasks] == [("on-rootfs", rootfs), ("host", "")]
-    assert len(problems) == 2 and "must be the absolute path" in problems[0] and "exclude each other" in problems[1]
+    said = [p.split(": ", 1)[1].split(";")[0] for p in problems]
+    assert said[:3] == [
+        "'rootfs' 'root' must be the absolute path of a root filesystem directory, e.g. \"/srv/rootfs/py312\"",
+        "'rootfs' and 'requirements' exclude each other: install the packages into the rootfs and drop 'requirements'",
+        f"'rootfs' '/' is not inside $MC_TASK_ROOTFS_DIR {str(Path(rootfs).parent)!r}"]
+    assert len(said) == 4 and said[3].endswith(f" is not inside $MC_TASK_ROOTFS_DIR {str(Path(rootfs).parent)!r}")
+    monkeypatch.delenv("MC_TASK_ROOTFS_DIR")
+    _, problems = load_code_tasks(path, "jsonl")
+    assert "only inside the directory $MC_TASK_ROOTFS_DIR names" in problems[0]  # not set: no rootfs at all
     program = "def f():\n    return 2\n"
     assert [run_code_tests(t, program, 10.0) for t in tasks] == [(2, 2), (1, 2)]
 
 
-def test_swe_instance_on_a_rootfs_is_verified_there(rootfs, tmp_path):
+def test_swe_instance_on_a_rootfs_is_verified_there(rootfs, tmp_path, monkeypatch):
+    monkeypatch.setenv("MC_TASK_ROOTFS_DIR", str(Path(rootfs).parent))
     shutil.copytree(EMBEDDED.parent, tmp_path / "swe", ignore=shutil.ignore_patterns("__pycache__"))
     records = [json.loads(line) for line in (tmp_path / "swe" / "tasks.jsonl").read_text().splitlines()][:1]
     (tmp_path / "swe" / "tasks.jsonl").write_text(json.dumps(dict(records[0], rootfs=rootfs)) + "\n")

@@ -27,9 +27,10 @@ What the command sees:
   own packages). It must hold `/bin/sh` and util-linux's `prlimit` (the
   limits below are set inside), and `python3` with pytest for the verifiers:
   a `python:3.12-slim` image exported with `docker export`, with pytest
-  installed, is one. A rootfs that cannot run `true` is refused at
-  construction with what it printed; a link in its `/etc` that leads out of
-  it is not bound.
+  installed, is one. A rootfs whose shell does not run under the limits its
+  `prlimit` sets is refused at construction; its `/etc` files are resolved
+  here and bound by that resolved path, and one that leads out of it is not
+  bound. `rootfs="/"` (the host itself) is refused.
 - Environment: PATH, HOME=/tmp, TMPDIR=/tmp, LANG=C.UTF-8,
   PYTHONDONTWRITEBYTECODE=1, PYTHONPATH, and PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
   (the bound site-packages is there for pytest alone; scanning its plugins
@@ -162,7 +163,8 @@ class SandboxResult:
 
 _probe_lock = threading.Lock()
 _probe_cache: dict[tuple[str, int], str | None] = {}  # (bwrap, euid) -> None if usable else the error
-_rootfs_cache: dict[tuple[str, int], str | None] = {}  # (rootfs, euid) -> None if it runs `true` else the error
+_rootfs_ok: set[tuple[str, int]] = set()  # (rootfs, euid) whose probe passed (a failed probe is not kept)
+_rootfs_locks: dict[tuple[str, int], threading.Lock] = {}
 
 
 class Sandbox:
@@ -189,6 +191,9 @@ class Sandbox:
                 raise ValueError("site_packages= and rootfs= exclude each other: a rootfs brings its own python3 "
                                  "and packages; install the task's requirements into the rootfs")
             rootfs = os.path.realpath(os.fspath(rootfs))
+            if rootfs == "/":
+                raise ValueError("rootfs='/' is the host's own root; pass None for the host's system, or the "
+                                 "directory of a separate root filesystem")
             if not os.path.isdir(os.path.join(rootfs, "usr")):
                 raise ValueError(f"rootfs={rootfs!r} is not a root filesystem (no usr/ directory in it); pass the "
                                  "directory an image was extracted to, e.g. by `docker export ... | tar -x -C DIR`")
@@ -280,21 +285,34 @@ def _probe() -> str | None:
 
 
 def _check_rootfs(rootfs: str) -> None:
-    """ValueError unless `true` runs in a sandbox on `rootfs` (probed once per path and euid)."""
+    """ValueError unless a sandbox on `rootfs` runs its shell under the limits its `prlimit` set (probed once
+    per path and euid; a failure is probed again next time)."""
     key = (rootfs, os.geteuid())
     with _probe_lock:
-        if key not in _rootfs_cache:
-            with tempfile.TemporaryDirectory(prefix="sandbox-probe-") as workspace:
-                if os.geteuid() == 0:
-                    os.chown(workspace, HOST_UID, HOST_UID)
-                result = _execute(_sandbox_argv(workspace, False, 256, 16, 10.0, ["true"], rootfs=rootfs), None,
-                                  10.0, 4096)
-            said = result.stderr.strip() or f"exit code {result.exit_code}"
-            _rootfs_cache[key] = None if result.exit_code == 0 else said
-        error = _rootfs_cache[key]
-    if error is not None:
-        raise ValueError(f"rootfs={rootfs!r} cannot run a command in the sandbox ({error[-300:]}); it needs /bin/sh "
-                         "and util-linux's prlimit (and python3 with pytest for the verifiers), readable by all users")
+        lock = _rootfs_locks.setdefault(key, threading.Lock())
+    with lock:
+        if key in _rootfs_ok:
+            return
+        memory_mb, processes = 256, 16
+        read_limits = ["/bin/sh", "-c", 'while read -r line; do echo "$line"; done < /proc/self/limits']
+        with tempfile.TemporaryDirectory(prefix="sandbox-probe-") as workspace:
+            if os.geteuid() == 0:
+                os.chown(workspace, HOST_UID, HOST_UID)
+            result = _execute(_sandbox_argv(workspace, False, memory_mb, processes, 10.0, read_limits, rootfs=rootfs),
+                              None, 10.0, 65536)
+        limits = {" ".join(line.split()[:-3]): line.split()[-3:-1] for line in result.stdout.splitlines()[1:]
+                  if len(line.split()) >= 4}
+        if result.exit_code != 0:
+            problem = result.stderr.strip()[-300:] or f"exit code {result.exit_code}"
+        elif (limits.get("Max address space") != [str(memory_mb << 20)] * 2
+              or limits.get("Max processes") != [str(processes)] * 2):
+            problem = (f"its prlimit did not set the limits: address space {limits.get('Max address space')}, "
+                       f"processes {limits.get('Max processes')}")
+        else:
+            _rootfs_ok.add(key)
+            return
+    raise ValueError(f"rootfs={rootfs!r} cannot run a command in the sandbox ({problem}); it needs /bin/sh and "
+                     "util-linux's prlimit (and python3 with pytest for the verifiers), readable by all users")
 
 
 def _site_packages() -> str | None:
@@ -332,10 +350,13 @@ def _bwrap_argv(workspace: str, site_packages: str | None, network: bool, rootfs
     etc = list(_SYSTEM_ETC)
     if network:
         etc += ["/etc/resolv.conf", "/etc/nsswitch.conf", "/etc/gai.conf", "/etc/ssl", "/etc/ca-certificates"]
-    for path in etc:  # a rootfs's own, where it has one inside it: a link there must not lead to the host's files
-        if rootfs and not os.path.realpath(os.path.join(root, path.lstrip("/"))).startswith(root + os.sep):
-            continue
-        argv += ["--ro-bind-try", os.path.join(source, path.lstrip("/")), path]
+    for path in etc:
+        if rootfs:  # a rootfs's own, resolved here and bound by that resolved path, which has no link left to follow
+            found = _inside(root, path)
+            if found is not None:
+                argv += ["--ro-bind", os.path.join(source, found), path]
+        else:
+            argv += ["--ro-bind-try", path, path]
     for path, text in _synthetic_etc().items():
         argv += ["--perms", "0644", "--ro-bind-data", text, path]  # the text is swapped for a pipe fd in _execute
     argv += ["--bind", workspace, "/workspace"]
@@ -343,6 +364,16 @@ def _bwrap_argv(workspace: str, site_packages: str | None, network: bool, rootfs
         argv += ["--ro-bind", site_packages, SITE_PACKAGES_MOUNT]
     argv += ["--remount-ro", "/", "--remount-ro", "/dev", "--chdir", "/workspace", "--"]
     return argv
+
+
+def _inside(root: str, path: str) -> str | None:
+    """`path` of the root filesystem `root`, resolved on the host, as a path relative to `root` without links;
+    None when it does not exist or leads out of `root` (a link to the host's files)."""
+    try:
+        real = os.path.realpath(os.path.join(root, path.lstrip("/")), strict=True)
+    except (OSError, RuntimeError):
+        return None
+    return os.path.relpath(real, root) if real.startswith(root.rstrip("/") + "/") else None
 
 
 def _synthetic_etc() -> dict[str, str]:

@@ -139,9 +139,13 @@ def task_requirements(record: dict) -> tuple[str, ...]:
         raise BadRecord(str(exc)) from None
 
 
+ROOTFS_DIR_VAR = "MC_TASK_ROOTFS_DIR"
+
+
 def task_rootfs(record: dict) -> str:
     """The record's validated "rootfs", resolved ("" without one): an absolute path to a directory holding usr/,
-    in a record without "requirements" (a rootfs brings its own packages)."""
+    inside the directory `$MC_TASK_ROOTFS_DIR` names (the operator's choice of which root filesystems task files
+    may run on: as root the sandbox stages a rootfs with root's rights), in a record without "requirements"."""
     value = record.get("rootfs")
     if value is None:
         return ""
@@ -151,7 +155,15 @@ def task_rootfs(record: dict) -> str:
     if record.get("requirements"):
         raise BadRecord("'rootfs' and 'requirements' exclude each other: install the packages into the rootfs "
                         "and drop 'requirements'")
-    path = os.path.realpath(value)
+    base = os.environ.get(ROOTFS_DIR_VAR, "")
+    if not base.startswith("/"):
+        raise BadRecord(f"'rootfs' {_short(value)}: task files may name a root filesystem only inside the directory "
+                        f"${ROOTFS_DIR_VAR} names; set it to the absolute path that holds your root filesystems, "
+                        "e.g. /srv/rootfs")
+    path, base = os.path.realpath(value), os.path.realpath(base)
+    if not path.startswith(base.rstrip("/") + "/"):
+        raise BadRecord(f"'rootfs' {_short(value)} is not inside ${ROOTFS_DIR_VAR} {base!r}; move it there or "
+                        "point the variable at its parent")
     if not os.path.isdir(os.path.join(path, "usr")):
         raise BadRecord(f"'rootfs' {_short(value)} is not a root filesystem (no usr/ directory in it); extract an "
                         "image there, e.g. `docker export $(docker create python:3.12-slim) | tar -x -C DIR`")
