@@ -22,8 +22,10 @@ import pytest
 import torch
 
 # The sandbox's fork-bomb test bounds the host's process count, which the Ray cluster tests raise by
-# dozens: these modules share a worker.
-SAME_WORKER = {"test_sandbox": "host-processes", "test_async_rl": "host-processes", "test_async_chaos": "host-processes"}
+# dozens, and its timeout test looks for its marker in every host process, which the runs of
+# tests/test_sandbox.py that test_task_envs and test_task_rootfs start also use: these modules share a worker.
+SAME_WORKER = {m: "host-processes" for m in ("test_sandbox", "test_async_rl", "test_async_chaos", "test_task_envs",
+                                               "test_task_rootfs")}
 SHARED_RESULTS = ("tiny_cpt_losses",)  # session fixtures in tests/conftest.py
 
 

@@ -51,6 +51,7 @@ from .agentic_rewards import (changed_files, communication_score, parallel_tool_
 from .sandbox import Sandbox
 from .task_envs import sandbox_kwargs_for
 from .tasks.coding import CodingTask, SweVerdict, TestVerdict, load_tasks, prepare_workspace, run_tests
+from .tasks.python_ast import PARSE_LOCK
 from .tools import TOOLS, ToolSet
 
 ENV_NAME = "agentic-coding"
@@ -159,8 +160,11 @@ class AgenticCodingEnv:
         with self._lost_lock:
             self.lost_episodes += 1
         task, seed = job
-        log.warning("episode of task %s (seed %d) lost, run %d of %d: %s: %s", task.key, seed, attempt + 1,
-                    attempts, type(exc).__name__, exc, exc_info=True)
+        # under the parse lock: Python 3.11's traceback formatting parses source lines with ast.parse (for
+        # its ^^^ markers), which must not overlap another thread's parse (tasks/python_ast.py)
+        with PARSE_LOCK:
+            log.warning("episode of task %s (seed %d) lost, run %d of %d: %s: %s", task.key, seed, attempt + 1,
+                        attempts, type(exc).__name__, exc, exc_info=True)
 
 
 def summarize(results, tokenizer) -> dict:

@@ -8,7 +8,10 @@ longer balances and the parse raises `SystemError: AST constructor recursion
 depth mismatch` (CPython gh-106905, fixed in 3.12.1+ / 3.13). Episodes are
 scored in threads (`agentic.AgenticCodingEnv.episodes`, the synchronous
 driver's groups), so every parse of reward and verification code goes through
-`parse_python`, which holds one process-wide lock. Parsing is fast (about a
+`parse_python`, which holds one process-wide lock; so does anything else
+that parses in such a thread, such as logging an exception's traceback
+(3.11's traceback module parses the source lines for its `^^^` markers).
+Parsing is fast (about a
 millisecond for a test file) next to an episode's sandboxed test run, so the
 lock costs no measurable throughput.
 """
