@@ -3,9 +3,6 @@ import base64
 import hashlib
 import importlib.metadata
 import json
-import os
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
@@ -15,8 +12,8 @@ from megatron_composer.rl import task_envs
 from megatron_composer.rl.sandbox import Sandbox, SandboxUnavailable, ensure_available
 from megatron_composer.rl.task_envs import TaskEnvError, parse_requirements, task_env_site_packages
 from megatron_composer.rl.tasks.task_files import load_code_tasks
+from tests.sandbox_battery import rerun_sandbox_battery
 
-ROOT = Path(__file__).resolve().parent.parent
 PYTEST_CLOSURE = ("pytest", "iniconfig", "pluggy", "packaging", "pygments")  # pytest's deps on Linux, 3.11+
 
 
@@ -143,21 +140,7 @@ def test_task_files_read_requirements_and_refuse_a_bad_rootfs(tmp_path, monkeypa
 
 def test_hostile_battery_holds_with_a_task_env_mounted(task_site, sandbox_ok, tmp_path):
     """tests/test_sandbox.py again, every Sandbox mounting the task environment instead of the host's."""
-    plugin = tmp_path / "mount_task_env.py"
-    plugin.write_text(f"""
-from megatron_composer.rl import sandbox
-_init = sandbox.Sandbox.__init__
-def __init__(self, *args, site_packages=None, **kwargs):
-    _init(self, *args, site_packages=site_packages or {task_site!r}, **kwargs)
-    assert self.site_packages == {task_site!r}
-sandbox.Sandbox.__init__ = __init__
-""")
-    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "mount_task_env",
-                           str(ROOT / "tests" / "test_sandbox.py")], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout
+    rerun_sandbox_battery(tmp_path, {"site_packages": task_site}, f"self.site_packages == {task_site!r}")
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -17,8 +16,8 @@ from megatron_composer.rl.tasks.coding import prepare_workspace, run_tests
 from megatron_composer.rl.tasks.coding.swe import EMBEDDED, load_swe_tasks
 from megatron_composer.rl.tasks.task_files import load_code_tasks
 from tests.rootfs_builder import MARKER, MARKER_TEXT, build_rootfs
+from tests.sandbox_battery import rerun_sandbox_battery
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -48,21 +47,8 @@ def test_the_sandbox_runs_the_rootfs_system_not_the_hosts(rootfs, tmp_path):
 
 def test_hostile_battery_holds_on_a_task_rootfs(rootfs, tmp_path):
     """tests/test_sandbox.py again, every Sandbox running on the rootfs."""
-    plugin = tmp_path / "mount_rootfs.py"
-    plugin.write_text(f"""
-from megatron_composer.rl import sandbox
-_init = sandbox.Sandbox.__init__
-def __init__(self, *args, rootfs=None, **kwargs):
-    _init(self, *args, rootfs=rootfs or {rootfs!r}, **kwargs)
-    assert self.rootfs == {rootfs!r} and self.site_packages is None
-sandbox.Sandbox.__init__ = __init__
-""")
-    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "mount_rootfs",
-                           str(ROOT / "tests" / "test_sandbox.py")], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout
+    rerun_sandbox_battery(tmp_path, {"rootfs": rootfs},
+                          f"self.rootfs == {rootfs!r} and self.site_packages is None")
 
 
 def test_a_link_in_the_rootfs_etc_does_not_reach_the_host(rootfs, tmp_path):
