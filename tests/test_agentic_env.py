@@ -190,18 +190,33 @@ def test_expert_messages_batch_consecutive_reads_up_to_the_cap():
     assert [c for m in expert_messages(task) for c in m] == expert_steps(task)
 
 
-def test_gather_tasks_need_every_read_and_score_by_turns(tmp_path):
-    """A gather task: k = 3-6 one-word files whose names do not give the word away; the batched expert
-    solves it in 3 turns (one list of k reads, the write, finish), the sequential one in k + 2, both solved;
-    parallel_tool_calls is (k - 1) / k for the first and 0 for the second."""
+def test_gather_tasks_need_every_read_and_score_by_turns(data_dir, tmp_path):
+    """A gather task: k = 3-6 files of one word, file i's word one of its own six, none given away by the
+    file names; the answer is the words joined by commas; every word is one token of the embedded tokenizer
+    in a tool response and in the answer alike; the batched expert solves it in 3 turns (one list of k reads,
+    the write, finish), the sequential one in k + 2, both solved; parallel_tool_calls is (k - 1) / k for the
+    first and 0 for the second."""
     from megatron_composer.rl.sft_trajectories import sequential_reader
+    from megatron_composer.rl.tasks.coding.gather import LISTS
 
     tasks = load_tasks(["gather"], "train", count=200)
     assert {len(t.reads) for t in tasks} == {3, 4, 5, 6}
     for t in tasks:
         words = [t.files[p].strip() for p in t.reads]
-        assert t.solution[0].replace == " ".join(words) and all(w + ".txt" != p for w, p in zip(words, t.reads))
-        assert all(f"`{p}`" in t.instruction for p in t.reads)
+        assert t.reads == tuple(f"{letter}.txt" for letter in "abcdef"[:len(words)])
+        assert all(w in LISTS[p[0]] and w not in p for w, p in zip(words, t.reads))
+        assert t.solution[0].replace == ",".join(words)
+    from megatron_composer.data.tokenizer import Tokenizer
+    from megatron_composer.rl.agent import system_prompt
+
+    embedded = Tokenizer(data_dir / "tokenizer.model")  # the tiny examples' tokenizer
+    ids = {}
+    for word in (w for words in LISTS.values() for w in words):
+        (ids[word],) = embedded.encode(word)
+        assert embedded.encode(f",{word},")[1:-1] == [ids[word]] and embedded.encode(f'">{word}\n')[1:-1] == [ids[word]]
+    assert len(set(ids.values())) == 36
+    prompt = system_prompt() + "".join(t.instruction for t in tasks)  # no list word is a token of the prompt
+    assert not set(ids.values()) & set(embedded.encode(prompt))
     task = dataclasses.replace(next(t for t in tasks if len(t.reads) == 5), test_timeout_s=120.0)  # a loaded machine
     env = AgenticCodingEnv(("gather",), workdir=str(tmp_path))
     for batch, turns, parallel in ((True, 3, 4 / 5), (False, 7, 0.0)):
