@@ -1,6 +1,7 @@
 """The concave length penalty: effort and pass@1 over RL with and without it, the same tasks and seeds.
 
-    python benchmarks/length_penalty.py --load runs/tiny/agent_sft_model [--seeds 1,2,3] [--steps 10]
+    make demo-cpt   # runs/tiny/cpt_32k, the checkpoint the gather SFT starts from
+    python benchmarks/length_penalty.py [--seeds 1,2,3] [--steps 10]
 
 The `gather` SFT checkpoint and the "RL" arm are `benchmarks/parallel_tools.py`'s
 (the same `--out` shares them): read k = 3-6 files, write their words, with a

@@ -1,6 +1,7 @@
 """Parallel tool calls: RL with and without the tool-use reward terms, turns per solved episode.
 
-    python benchmarks/parallel_tools.py --load runs/tiny/agent_sft_model [--seeds 1,2,3] [--steps 10]
+    make demo-cpt   # runs/tiny/cpt_32k, the checkpoint the gather SFT starts from
+    python benchmarks/parallel_tools.py [--seeds 1,2,3] [--steps 10]
 
 1. SFT data: expert trajectories of the `gather` family (read k = 3-6 files
    of one word each, then write the words to answer.txt; `rl.tasks.coding.gather`),
@@ -8,7 +9,7 @@
    all k reads in one list of calls (`rl.sft_trajectories`). The habit the
    model starts RL with is this mixture: an episode takes k + 2 turns when it
    reads one file at a time, 3 when it batches (reads, write, finish).
-2. SFT from `--load` (an agentic SFT checkpoint, e.g. `examples/tiny/agentic_rl.sh`'s)
+2. SFT from `--load` (default runs/tiny/cpt_32k, the CPT checkpoint of `make demo-cpt`)
    at `--seq-length` 1024 (a sequential k = 6 trajectory is about 870 tokens),
    in chunks of `--sft-chunk` steps, until the held-out pass@1 (greedy) reaches
    `--sft-stop-pass1`: RL needs a model that solves some tasks and not others.
@@ -39,9 +40,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 ARMS = (("RL", "rl"), ("RL + tool terms", "terms"))
-# per family: the context, turns and tokens per turn of its episodes (write-file: examples/tiny/agentic_rl.sh's)
-FAMILY_DEFAULTS = {"gather": dict(seq_length=1024, max_turns=10, max_new_tokens=160),
-                   "write-file": dict(seq_length=512, max_turns=3, max_new_tokens=64)}
+# per family: the starting checkpoint, and the context, turns and tokens per turn of its episodes (write-file:
+# examples/tiny/agentic_rl.sh's)
+FAMILY_DEFAULTS = {"gather": dict(load="runs/tiny/cpt_32k", seq_length=1024, max_turns=10, max_new_tokens=160),
+                   "write-file": dict(load="runs/tiny/agent_sft_model", seq_length=512, max_turns=3,
+                                      max_new_tokens=64)}
 
 
 def parse_args(p: argparse.ArgumentParser) -> argparse.Namespace:
@@ -82,7 +85,7 @@ def held_out(checkpoint: str, args, log: str, temperature: float = 1.0) -> dict:
             "--max-new-tokens", str(args.max_new_tokens), "--temperature", str(temperature),
             "--tokenizer-model", args.tokenizer_model, "--data-cache-dir", args.data_cache_dir], log)
     row = [line for line in open(log) if "solved:" in line][-1]
-    return {k: float(v) for k, v in re.findall(r"([a-z][a-z ]*): ([0-9.]+)", row.split(" | ", 1)[1])}
+    return {k: float(v) for k, v in re.findall(r"([a-z][a-z ]*): (-?[0-9.]+)", row.split(" | ", 1)[1])}
 
 
 def common_flags(args) -> list[str]:
@@ -164,8 +167,10 @@ def add_gather_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--family", choices=sorted(FAMILY_DEFAULTS), default="gather",
                    help="the task family of RL and the held-out evaluation; gather: SFT on gather trajectories "
                         "from --load first; write-file: RL starts from --load itself")
-    p.add_argument("--load", default="runs/tiny/agent_sft_model",
-                   help="an agentic SFT checkpoint (examples/tiny/agentic_rl.sh)")
+    p.add_argument("--load", default=None,
+                   help="gather: the checkpoint the gather SFT starts from (default runs/tiny/cpt_32k, `make demo-cpt`); "
+                        "write-file: the SFT checkpoint RL starts from (default runs/tiny/agent_sft_model, "
+                        "examples/tiny/agentic_rl.sh)")
     p.add_argument("--out", default=None, help="runs and checkpoints (default runs/<family>_rl)")
     p.add_argument("--tokenizer-model", default="data/tokenizer.model")
     p.add_argument("--data-cache-dir", default="data")
@@ -175,14 +180,14 @@ def add_gather_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--lr", default="1e-3")
     p.add_argument("--reward", default="correctness=1.0,all_pass=1.0,tool_misuse=0.1")
-    p.add_argument("--tasks", type=int, default=1200, help="expert gather trajectories in the SFT data")
+    p.add_argument("--tasks", type=int, default=2000, help="expert gather trajectories in the SFT data")
     p.add_argument("--sequential-reads", type=float, default=0.7,
                    help="the fraction of SFT trajectories that read one file per message")
-    p.add_argument("--sft-iters", type=int, default=800, help="SFT stops here at the latest")
-    p.add_argument("--sft-chunk", type=int, default=100, help="SFT steps between held-out evaluations")
+    p.add_argument("--sft-iters", type=int, default=1600, help="SFT stops here at the latest")
+    p.add_argument("--sft-chunk", type=int, default=200, help="SFT steps between held-out evaluations")
     p.add_argument("--sft-stop-pass1", type=float, default=0.3,
                    help="SFT stops at the first held-out pass@1 (greedy) at least this")
-    p.add_argument("--sft-lr", type=float, default=1e-3)
+    p.add_argument("--sft-lr", type=float, default=2e-3)
     p.add_argument("--seq-length", type=int, default=None, help="default: gather 1024, write-file 512")
     p.add_argument("--max-turns", type=int, default=None, help="default: gather 10, write-file 3")
     p.add_argument("--max-new-tokens", type=int, default=None,

@@ -1,17 +1,18 @@
 """RL learns: held-out pass@1 of execution-verified tasks, RL vs an `--lr 0` control, paired over seeds.
 
-    python benchmarks/rl_learns.py --load runs/tiny/agent_sft_model [--seeds 1,2,3] [--steps 10]
+    make demo-cpt   # runs/tiny/cpt_32k, the checkpoint the gather SFT starts from
+    python benchmarks/rl_learns.py [--seeds 1,2,3] [--steps 10]
 
-The checkpoint is ours end to end: `examples/tiny/agentic_rl.sh`'s agentic
-SFT (tiny preset, our tokenizer, trained from random initialization on our
-scripted expert trajectories), then SFT on `gather` trajectories
+The checkpoint is ours end to end: `make demo-cpt`'s CPT (tiny preset, our
+tokenizer, trained from random initialization on the embedded code corpus),
+then SFT on scripted expert `gather` trajectories
 (`benchmarks/parallel_tools.py` builds it; the same `--out` shares the
 checkpoint and the RL arm's runs with that benchmark). The tasks are the
 `gather` family: read k = 3-6 files, write their words to answer.txt; a task
 is solved when its hidden pytest tests pass in the bubblewrap sandbox.
 `--family write-file` measures on write-file tasks instead (create one file
 with an exact short text, the family `examples/tiny/agentic_rl.sh` fine-tunes
-on): RL starts from `--load` itself, with that script's context and turns.
+on): RL starts from `--load` itself (default runs/tiny/agent_sft_model), with that script's context and turns.
 
 Two arms per seed, the same tasks, sampling and steps: "RL" (`--lr`, reward
 correctness + all_pass + 0.1 x tool misuse) and "control" (`--lr 0`: the same

@@ -1,6 +1,7 @@
 """Self-summarization vs truncation on tasks whose episodes exceed the context, the same model and budget.
 
-    python benchmarks/self_summarization.py --load runs/tiny/agent_sft_model [--seeds 1,2,3]
+    make demo-cpt   # runs/tiny/cpt_32k, the checkpoint the gather SFT starts from
+    python benchmarks/self_summarization.py [--seeds 1,2,3]
 
 The model is `benchmarks/parallel_tools.py`'s gather SFT checkpoint (the same
 `--out` shares it), fine-tuned on gather trajectories that read one file per
@@ -92,7 +93,7 @@ def main() -> None:
             match = ROW.match(text)
             if match:
                 mode = "truncation" if match.group(1) == "no summaries" else "summarization"
-                row = dict(re.findall(r"([a-z][a-z ]*): ([0-9.]+)", match.group(2)))
+                row = dict(re.findall(r"([a-z][a-z ]*): (-?[0-9.]+)", match.group(2)))
                 solved.setdefault(mode, []).append(float(row["solved"]))
                 print(f"self_summarization {mode} seed {seed}: solved {float(row['solved']):.3f}, turns "
                       f"{float(row['turns']):.2f}, summaries per episode {float(row['summaries']):.2f}", flush=True)
