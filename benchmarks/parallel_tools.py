@@ -85,7 +85,12 @@ def held_out(checkpoint: str, args, log: str, temperature: float = 1.0) -> dict:
             "--max-new-tokens", str(args.max_new_tokens), "--temperature", str(temperature),
             "--tokenizer-model", args.tokenizer_model, "--data-cache-dir", args.data_cache_dir], log)
     row = [line for line in open(log) if "solved:" in line][-1]
-    return {k: float(v) for k, v in re.findall(r"([a-z][a-z ]*): (-?[0-9.]+)", row.split(" | ", 1)[1])}
+    return row_values(row.split(" | ", 1)[1])
+
+
+def row_values(text: str) -> dict[str, float]:
+    """The `name: value` pairs of an `rl.evaluate` summary row (values may be negative: tool misuse)."""
+    return {k: float(v) for k, v in re.findall(r"([a-z][a-z ]*): (-?[0-9.]+)", text)}
 
 
 def common_flags(args) -> list[str]:

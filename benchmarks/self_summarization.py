@@ -15,7 +15,8 @@ fails the agent's own check) and one token budget, sampled at temperature 1
 with each seed: without summaries (an episode ends when its context is full)
 and summarizing at T (`python -m megatron_composer.rl.evaluate
 --summary-trigger-tokens`). Prints the fraction of the tasks whose expert
-episode exceeds the context, both solve rates per seed and their means.
+episode exceeds the context, both solve rates per seed and their means, and
+plots `docs/self_summarization.png` (solve rate and turns per episode, per seed and mode).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from parallel_tools import add_gather_flags, common_flags, done, gather_sft, parse_args, sh  # noqa: E402
+from parallel_tools import add_gather_flags, common_flags, done, gather_sft, parse_args, row_values, sh  # noqa: E402
 
 ROW = re.compile(r"^\s*(no summaries|summaries at \d+) \| (.*)$")
 
@@ -54,6 +55,7 @@ def main() -> None:
     p.add_argument("--summary-tasks", type=int, default=800, help="summarized expert trajectories in the SFT data")
     p.add_argument("--summary-sft-iters", type=int, default=300)
     p.add_argument("--token-budget", type=int, default=1024, help="generated tokens per episode, both modes")
+    p.add_argument("--plot", default="docs/self_summarization.png")
     args = parse_args(p)
     if args.family != "gather":
         p.error(f"--family {args.family}: self-summarization is measured on gather (its episodes outgrow the "
@@ -80,6 +82,7 @@ def main() -> None:
     share = exceeding(args)
     seeds = [int(s) for s in args.seeds.split(",")]
     solved: dict[str, list[float]] = {}
+    turns: dict[str, list[float]] = {}
     for seed in seeds:
         log = os.path.join(out, f"eval_summaries_seed{seed}.log")
         if not (os.path.exists(log) and "summaries at" in open(log).read()):
@@ -93,10 +96,11 @@ def main() -> None:
             match = ROW.match(text)
             if match:
                 mode = "truncation" if match.group(1) == "no summaries" else "summarization"
-                row = dict(re.findall(r"([a-z][a-z ]*): (-?[0-9.]+)", match.group(2)))
-                solved.setdefault(mode, []).append(float(row["solved"]))
-                print(f"self_summarization {mode} seed {seed}: solved {float(row['solved']):.3f}, turns "
-                      f"{float(row['turns']):.2f}, summaries per episode {float(row['summaries']):.2f}", flush=True)
+                row = row_values(match.group(2))
+                solved.setdefault(mode, []).append(row["solved"])
+                turns.setdefault(mode, []).append(row["turns"])
+                print(f"self_summarization {mode} seed {seed}: solved {row['solved']:.3f}, turns "
+                      f"{row['turns']:.2f}, summaries per episode {row['summaries']:.2f}", flush=True)
     mean = {mode: sum(v) / len(v) for mode, v in solved.items()}
     print(f"self_summarization: {args.eval_count} held-out gather tasks, {share:.0%} of them with an expert episode "
           f"longer than the {args.context}-token context; solved with summarization {mean['summarization']:.3f} "
@@ -104,6 +108,33 @@ def main() -> None:
           f"{mean['truncation']:.3f} (seeds " + " ".join(f"{v:.3f}" for v in solved["truncation"])
           + f"); trigger {args.trigger}, up to {args.max_summaries} summaries, budget {args.token_budget} tokens; "
           f"{time.perf_counter() - started:.0f} s")
+    if args.plot:
+        plot(seeds, solved, turns, args)
+
+
+def plot(seeds: list[int], solved: dict[str, list[float]], turns: dict[str, list[float]], args) -> None:
+    """Per seed, each mode's held-out solve rate and model turns per episode, side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9.6, 3.4))
+    width = 0.38
+    for ax, (values, label) in zip(axes, ((solved, "solved (held-out, sampled)"), (turns, "model turns per episode"))):
+        for i, (mode, color) in enumerate((("truncation", "tab:gray"), ("summarization", "tab:blue"))):
+            ax.bar([s + (i - 0.5) * width for s in range(len(seeds))], values[mode], width, color=color, label=mode)
+        ax.set_xticks(range(len(seeds)), [f"seed {s}" for s in seeds])
+        ax.set_ylabel(label)
+    axes[0].set_ylim(0, 1)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"gather past a {args.context}-token context: summarizing at {args.trigger} vs truncation",
+                 fontsize=9)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
+    fig.savefig(args.plot, dpi=110)
+    plt.close(fig)
+    print(f"self_summarization: plot {args.plot}")
 
 
 if __name__ == "__main__":
